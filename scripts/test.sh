@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: install (idempotent), lint, type-check, then every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+python3 -m ruff check specter actors scripts tests
+python3 -m mypy specter actors
+set +e
+python3 -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"

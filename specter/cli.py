@@ -1,0 +1,155 @@
+"""``specter`` command line: ``specter generate …``.
+
+Bad flags exit with status 2 and one line naming the flag; load errors exit with status 1 and
+one line naming the thing at fault. Neither prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import NoReturn
+
+import torch
+
+from specter.assets import DEFAULT_MODEL
+from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.models.checkpoint import CheckpointError
+from specter.plan import POLICIES
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fraction(text: str) -> SlotConfig:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the routed experts in (0, 1], got {text!r}")
+    try:
+        return SlotConfig(fraction=value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("budget: "))
+
+
+def _link(text: str) -> LinkConfig:
+    try:
+        return LinkConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("link: "))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}")
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specter", description="Speculative expert offloading for MoE models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", help="generate text on an offloaded target")
+    gen.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
+    gen.add_argument("--policy", default="demand-lru", choices=sorted(POLICIES), help="prefetch policy")
+    gen.add_argument("--budget", type=_fraction, default=SlotConfig(fraction=0.5),
+                     help="device expert slots as a fraction of all routed experts, 0 < F <= 1 (default 0.5)")
+    gen.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
+    gen.add_argument("--link", type=_link, default=None,
+                     help="cuda | sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="compute dtype (default: checkpoint's)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
+    source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    gen.add_argument("--json", action="store_true", help="end with one JSON line: tokens, text, stats")
+    return parser
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specter.generation import generate
+    from specter.target import OffloadedTarget
+
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        flag = str(exc).split(":")[0].replace("_", "-")
+        parser.error(f"argument --{flag}: {str(exc).split(': ', 1)[1]}")
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("argument --prompt: must not be empty")
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    link = args.link or (LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
+    budget = SlotConfig(fraction=args.budget.fraction, per_layer=args.per_layer)
+    target = OffloadedTarget.load(
+        args.model, budget, link, args.policy, device=args.device, dtype=_DTYPES.get(args.dtype or "")
+    )
+    try:
+        tokenizer = target.tokenizer
+        if args.prompt is not None:
+            if tokenizer is None:
+                raise CheckpointError(f"{args.model} has no tokenizer; pass --prompt-ids instead of --prompt")
+            prompt_ids = tokenizer.encode(args.prompt)
+        else:
+            prompt_ids = args.prompt_ids
+        vocab = target.model.config.vocab_size
+        if max(prompt_ids) >= vocab:
+            parser.error(f"argument --prompt-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})")
+        eos = getattr(target.model.generation_config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, list) else eos
+        tokens, stats = generate(target, prompt_ids, args.max_new_tokens, sampling, eos_token_id=eos)
+    finally:
+        target.close()
+    text = tokenizer.decode(tokens) if tokenizer is not None else ""
+    if args.json:
+        print(json.dumps({"tokens": tokens, "text": text, "stats": stats.to_dict()}))
+    else:
+        print((args.prompt or "") + text if tokenizer is not None else " ".join(map(str, tokens)))
+        print(
+            f"[{stats.new_tokens} tokens, TPOT {stats.tpot_s * 1e3:.2f} ms, hit rate {stats.hit_rate:.2f} "
+            f"({stats.hits} hits, {stats.misses} misses), {stats.bytes_moved / 1e6:.1f} MB moved, "
+            f"link busy {stats.link_busy_fraction:.0%}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args, parser)
+    except (CheckpointError, ValueError) as exc:
+        print(f"specter: error: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The host→device link: one worker thread moves expert blobs into slots, one transfer at a time.
+
+``CudaLink`` copies pinned host blobs on a dedicated copy stream; ``SimulatedLink`` copies on the
+CPU and then holds the transfer until ``latency + bytes / bandwidth`` has passed since it started,
+so that a CPU run feels the link as a GPU run would. Either way the copy runs in the link's own
+thread, asynchronous with the compute of the caller, and urgent (demand) transfers jump ahead of
+queued prefetches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEMAND, PREFETCH = 0, 1
+
+
+class LinkError(RuntimeError):
+    """A transfer failed, or the link stalled past its timeout."""
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One blob on its way into one slot."""
+
+    key: tuple[int, int]
+    slot: int
+    nbytes: int
+    priority: int
+    src: torch.Tensor = field(repr=False)
+    dst: torch.Tensor = field(repr=False)
+    wait_for: Any = field(default=None, repr=False)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def wait(self, timeout: float) -> float:
+        """Block until the blob is in its slot; returns the seconds waited."""
+        t0 = time.perf_counter()
+        if not self.done.wait(timeout):
+            raise LinkError(f"transfer of expert {self.key} into slot {self.slot} did not finish in {timeout:.1f}s")
+        if self.error is not None:
+            raise LinkError(f"transfer of expert {self.key} failed: {self.error}") from self.error
+        return time.perf_counter() - t0
+
+
+class Link:
+    """Base class: a priority queue drained by one worker thread; subclasses do the copy."""
+
+    name = "link"
+
+    def __init__(self) -> None:
+        self.bytes_moved = 0
+        self.busy_s = 0.0
+        self.transfers = 0
+        self._heap: list[tuple[int, int, Transfer]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"specter-{self.name}", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, key: tuple[int, int], slot: int, src: torch.Tensor, dst: torch.Tensor, priority: int, wait_for: Any = None
+    ) -> Transfer:
+        """Queue ``src`` (host blob) → ``dst`` (slot); demand transfers go before prefetches."""
+        transfer = Transfer(key, slot, src.numel() * src.element_size(), priority, src, dst, wait_for)
+        with self._cond:
+            if self._closed:
+                raise LinkError("the link is closed")
+            heapq.heappush(self._heap, (priority, next(self._seq), transfer))
+            self._cond.notify()
+        return transfer
+
+    def promote(self, transfer: Transfer) -> None:
+        """Make a queued prefetch urgent (a pass needs it now)."""
+        with self._cond:
+            if not transfer.started and transfer.priority != DEMAND:
+                transfer.priority = DEMAND
+                heapq.heappush(self._heap, (DEMAND, next(self._seq), transfer))
+                self._cond.notify()
+
+    def cancel(self, transfer: Transfer) -> bool:
+        """Drop a transfer that has not started; returns whether it was dropped."""
+        with self._cond:
+            if transfer.started:
+                return False
+            transfer.cancelled = True
+            return True
+
+    def queued(self) -> int:
+        with self._cond:
+            return sum(1 for _, _, t in self._heap if not (t.started or t.cancelled))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def _next(self) -> Transfer | None:
+        with self._cond:
+            while True:
+                while self._heap:
+                    _, _, transfer = heapq.heappop(self._heap)
+                    if not (transfer.started or transfer.cancelled):
+                        transfer.started = True
+                        return transfer
+                if self._closed:
+                    return None
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while (transfer := self._next()) is not None:
+            t0 = time.perf_counter()
+            try:
+                self._move(transfer)
+            except BaseException as exc:  # reported to the waiter, never kills the thread
+                transfer.error = exc
+            self.busy_s += time.perf_counter() - t0
+            self.bytes_moved += transfer.nbytes
+            self.transfers += 1
+            transfer.done.set()
+
+    def _move(self, transfer: Transfer) -> None:
+        raise NotImplementedError
+
+
+class SimulatedLink(Link):
+    """A CPU stand-in for PCIe: a transfer takes ``latency + bytes / bandwidth`` seconds.
+
+    Args:
+        bandwidth: bytes per second.
+        latency: seconds added to every transfer.
+    """
+
+    name = "simlink"
+
+    def __init__(self, bandwidth: float, latency: float = 0.0):
+        if not bandwidth > 0:
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
+        if not latency >= 0:
+            raise ValueError(f"link latency must be >= 0 s, got {latency}")
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        super().__init__()
+
+    def _move(self, transfer: Transfer) -> None:
+        t0 = time.perf_counter()
+        transfer.dst.copy_(transfer.src)
+        deadline = t0 + self.latency + transfer.nbytes / self.bandwidth
+        remaining = deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def describe(self) -> str:
+        return f"sim:{self.bandwidth / 1e9:g}GB/s,{self.latency * 1e6:g}us"
+
+
+class CudaLink(Link):
+    """Pinned host blob → device slot on a dedicated copy stream, ordered by CUDA events."""
+
+    name = "cudalink"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        super().__init__()
+
+    def _move(self, transfer: Transfer) -> None:
+        with torch.cuda.stream(self.stream):
+            if transfer.wait_for is not None:
+                # The slot's previous occupant may still be read by queued compute kernels.
+                self.stream.wait_event(transfer.wait_for)
+            transfer.dst.copy_(transfer.src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        event.synchronize()
+
+    def describe(self) -> str:
+        return f"cuda:{self.device}"

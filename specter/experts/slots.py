@@ -1,0 +1,140 @@
+"""The device slot pool: room for a budget of expert blobs, and which expert sits where.
+
+Slots are grouped: one group for the whole model (a global budget) or one per MoE layer (a
+per-layer budget, as mixtral-offloading and Specter's released code do). An expert is *ready*
+in a slot, *loading* into one, or absent. Slots used by the running pass are pinned and never
+evicted; which unpinned expert to evict is the policy's choice, least recently used by default.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from specter.experts.link import Transfer
+from specter.experts.store import ExpertShape
+
+Key = tuple[int, int]  # (layer, expert)
+ChooseVictim = Callable[[list[Key]], Key]
+
+
+class SlotPool:
+    """Slots on ``device`` plus the residency map.
+
+    Args:
+        shape: every expert's shape (one slot holds one blob).
+        groups: slots per group, e.g. ``{-1: 24}`` (global) or ``{layer: 6, ...}`` (per layer).
+        device: where the slots live.
+    """
+
+    def __init__(self, shape: ExpertShape, groups: dict[int, int], device: torch.device | str = "cpu"):
+        self.shape = shape
+        self.per_layer = -1 not in groups
+        self.num_slots = sum(groups.values())
+        self.storage = torch.empty(self.num_slots, shape.numel, dtype=shape.dtype, device=device)
+        self.group_slots: dict[int, list[int]] = {}
+        start = 0
+        for group, count in groups.items():
+            self.group_slots[group] = list(range(start, start + count))
+            start += count
+        self.owner: list[Key | None] = [None] * self.num_slots
+        self.where: dict[Key, int] = {}
+        self.loading: dict[Key, Transfer] = {}
+        self.pins = [0] * self.num_slots
+        self.last_use: list[Any] = [None] * self.num_slots  # CUDA event of the last compute that read it
+        self.recency: OrderedDict[Key, None] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def group_of(self, layer: int) -> int:
+        return layer if self.per_layer else -1
+
+    def capacity(self, layer: int) -> int:
+        return len(self.group_slots[self.group_of(layer)])
+
+    def is_ready(self, key: Key) -> bool:
+        return key in self.where and key not in self.loading
+
+    def is_loading(self, key: Key) -> bool:
+        return key in self.loading
+
+    def resident(self, layer: int | None = None) -> list[Key]:
+        """Experts ready or loading, optionally of one layer."""
+        return [k for k in self.where if layer is None or k[0] == layer]
+
+    def view(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) views of the slot holding ``key``."""
+        return self.shape.split(self.storage[self.where[key]])
+
+    def touch(self, key: Key) -> None:
+        self.recency.pop(key, None)
+        self.recency[key] = None
+
+    def pin(self, key: Key) -> None:
+        self.pins[self.where[key]] += 1
+
+    def unpin(self, key: Key, event: Any = None) -> None:
+        slot = self.where[key]
+        self.pins[slot] -= 1
+        if event is not None:
+            self.last_use[slot] = event
+
+    def evictable(self, layer: int, protect: Iterable[Key] = ()) -> list[Key]:
+        """Experts of ``layer``'s group that may be evicted: ready, unpinned, not protected."""
+        keep = set(protect)
+        slots = self.group_slots[self.group_of(layer)]
+        return [
+            key
+            for s in slots
+            if (key := self.owner[s]) is not None
+            and self.pins[s] == 0
+            and key not in self.loading
+            and key not in keep
+        ]
+
+    def lru(self, candidates: list[Key]) -> Key:
+        """The least recently used of ``candidates``."""
+        chosen = set(candidates)
+        return next(k for k in self.recency if k in chosen)
+
+    def reserve(self, key: Key, protect: Iterable[Key] = (), choose: ChooseVictim | None = None) -> int | None:
+        """A slot for ``key`` in its group: an empty one, else one freed by evicting a victim.
+
+        Returns None when every slot of the group is pinned, loading or protected.
+        """
+        slots = self.group_slots[self.group_of(key[0])]
+        empty = next((s for s in slots if self.owner[s] is None), None)
+        if empty is not None:
+            return empty
+        candidates = self.evictable(key[0], protect)
+        if not candidates:
+            return None
+        victim = (choose or self.lru)(candidates)
+        return self.evict(victim)
+
+    def evict(self, key: Key) -> int:
+        slot = self.where.pop(key)
+        self.owner[slot] = None
+        self.recency.pop(key, None)
+        return slot
+
+    def start_loading(self, key: Key, slot: int, transfer: Transfer) -> None:
+        self.owner[slot] = key
+        self.where[key] = slot
+        self.loading[key] = transfer
+        self.touch(key)
+
+    def finish_loading(self, key: Key) -> None:
+        self.loading.pop(key, None)
+
+    def place(self, key: Key, slot: int, blob: torch.Tensor) -> None:
+        """Put a blob into a slot synchronously (initial fill, outside any timed work)."""
+        self.storage[slot].copy_(blob)
+        self.owner[slot] = key
+        self.where[key] = slot
+        self.touch(key)

@@ -1,0 +1,119 @@
+"""Host memory for routed experts: one contiguous blob per (layer, expert), pinned on CUDA.
+
+A blob holds ``[gate (I×H) | up (I×H) | down (H×I)]`` in the model's dtype, so one copy moves an
+expert and the fused ``gate_up`` view of the blob is exactly transformers' ``gate_up_proj[e]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specter.models.checkpoint import Checkpoint, CheckpointError, TensorEntry, read_into
+from specter.models.families import Family
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """Shape of one routed expert: hidden size H, intermediate size I, dtype."""
+
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def split(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(gate_up (2I, H), down (H, I))`` of a blob or a slot; no copy."""
+        cut = 2 * self.intermediate * self.hidden
+        gate_up = blob[:cut].view(2 * self.intermediate, self.hidden)
+        return gate_up, blob[cut:].view(self.hidden, self.intermediate)
+
+
+class ExpertStore:
+    """Every routed expert of the target, in host memory, one blob each.
+
+    Args:
+        layers: the MoE layer indices (dense layers hold no routed experts).
+        num_experts: routed experts per MoE layer.
+        shape: the shape every expert shares.
+        pin: page-lock the host memory (CUDA only; makes copies asynchronous and faster).
+    """
+
+    def __init__(self, layers: list[int], num_experts: int, shape: ExpertShape, pin: bool = False):
+        self.layers = list(layers)
+        self.num_experts = num_experts
+        self.shape = shape
+        # One arena; each blob is a contiguous slice of it (one allocation, one pin).
+        self._arena = torch.empty(len(self.layers) * num_experts * shape.numel, dtype=shape.dtype, pin_memory=pin)
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+
+    @property
+    def nbytes(self) -> int:
+        return self._arena.numel() * self._arena.element_size()
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """The 1-D host blob of one expert."""
+        index = self._row[layer] * self.num_experts + expert
+        return self._arena[index * self.shape.numel : (index + 1) * self.shape.numel]
+
+    def load(self, checkpoint: Checkpoint, family: Family, progress: bool = False) -> None:
+        """Stream every expert from disk into its blob, one expert (three tensors) at a time."""
+        total = len(self.layers) * self.num_experts
+        for n, (layer, expert) in enumerate((lay, e) for lay in self.layers for e in range(self.num_experts)):
+            self._load_one(checkpoint, family, layer, expert)
+            if progress and (n + 1) % max(1, total // 10) == 0:
+                log.info("loaded %d/%d experts", n + 1, total)
+
+    def _load_one(self, checkpoint: Checkpoint, family: Family, layer: int, expert: int) -> None:
+        blob = self.blob(layer, expert)
+        per_proj = self.shape.hidden * self.shape.intermediate
+        for part, (entry, start) in enumerate(self._sources(checkpoint, family, layer, expert)):
+            target = blob[part * per_proj : (part + 1) * per_proj]
+            _read_part(entry, start, target)
+
+    def _sources(
+        self, checkpoint: Checkpoint, family: Family, layer: int, expert: int
+    ) -> list[tuple[TensorEntry, int]]:
+        """(entry, absolute start byte) of the gate, up and down parts of one expert."""
+        h, i = self.shape.hidden, self.shape.intermediate
+        keys = family.expert_keys(layer, expert)
+        if all(k in checkpoint.entries for k in keys):
+            for key, want in zip(keys, [(i, h), (i, h), (h, i)], strict=True):
+                _check_shape(checkpoint.entry(key), key, want)
+            return [(checkpoint.entry(k), checkpoint.entry(k).start) for k in keys]
+        gate_up_key, down_key = family.fused_keys(layer)
+        if gate_up_key in checkpoint.entries and down_key in checkpoint.entries:
+            _check_shape(checkpoint.entry(gate_up_key), gate_up_key, (self.num_experts, 2 * i, h))
+            _check_shape(checkpoint.entry(down_key), down_key, (self.num_experts, h, i))
+            entry, start, row = checkpoint.read_slice(gate_up_key, expert)
+            down, down_start, _ = checkpoint.read_slice(down_key, expert)
+            return [(entry, start), (entry, start + row // 2), (down, down_start)]
+        missing = next(k for k in keys if k not in checkpoint.entries)
+        raise CheckpointError(f"expert ({layer}, {expert}): tensor {missing!r} is missing from {checkpoint.dir}")
+
+
+def _check_shape(entry: TensorEntry, key: str, want: tuple[int, ...]) -> None:
+    if entry.shape != want:
+        raise CheckpointError(f"tensor {key!r} in {entry.path} has shape {entry.shape}, expected {want}")
+
+
+def _read_part(entry: TensorEntry, start: int, target: torch.Tensor) -> None:
+    """Read one projection (I×H elements) into ``target``, converting dtype only when they differ."""
+    count = target.numel()
+    if entry.dtype == target.dtype:
+        read_into(entry, target.view(torch.uint8), start, count * target.element_size())
+        return
+    scratch = torch.empty(count, dtype=entry.dtype)
+    read_into(entry, scratch.view(torch.uint8), start, count * entry.dtype.itemsize)
+    target.copy_(scratch)

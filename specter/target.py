@@ -1,0 +1,125 @@
+"""The offloaded target: a transformers model whose routed experts live in a host store and
+reach the device through a limited pool of slots."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+from specter.config import LinkConfig, SlotConfig
+from specter.experts.executor import OffloadedExperts
+from specter.experts.link import CudaLink, Link, SimulatedLink
+from specter.experts.slots import SlotPool
+from specter.models.loader import LoadedModel, build_dense, load_store
+from specter.plan import make_policy
+from specter.plan.base import Policy
+
+log = logging.getLogger(__name__)
+
+
+class OffloadedTarget:
+    """The target model: dense parts on the device, routed experts behind the slot pool."""
+
+    def __init__(self, loaded: LoadedModel, offload: OffloadedExperts, device: torch.device):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.offload = offload
+        self.device = device
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        for module in loaded.experts_modules.values():
+            module.__dict__["_specter_runner"] = offload
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        budget: SlotConfig,
+        link: LinkConfig | Link,
+        policy: str | Policy = "demand-lru",
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        timeout: float = 60.0,
+    ) -> OffloadedTarget:
+        """Load a checkpoint folder into an offloaded target.
+
+        Args:
+            model_dir: a Hugging Face checkpoint folder (or HF cache folder).
+            budget: the device's expert budget.
+            link: how experts move (a config, or a ready link to share).
+            policy: a policy name or instance.
+            device: ``cuda``/``cpu``; default cuda when available.
+            dtype: compute dtype; default the checkpoint's.
+            timeout: seconds before a transfer that never lands is an error.
+        """
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        loaded = build_dense(model_dir, dtype)
+        groups = _groups(budget, loaded)
+        pin = device.type == "cuda"
+        store = load_store(loaded, pin=pin)
+        loaded.model.to(device)
+        pool = SlotPool(loaded.shape, groups, device)
+        if isinstance(link, LinkConfig):
+            link = _make_link(link, device)
+        offload = OffloadedExperts(store, pool, link, policy, timeout=timeout)
+        offload.prefill_slots()
+        target = cls(loaded, offload, device)
+        target.tokenizer = _load_tokenizer(loaded.checkpoint.dir)
+        log.info(
+            "target %s: %d MoE layers x %d experts (%.1f MB each), %d slots (%s), link %s",
+            loaded.family.model_type, len(loaded.moe_layers), loaded.num_experts, loaded.shape.nbytes / 1e6,
+            pool.num_slots, budget.describe(), getattr(link, "describe", lambda: link.name)(),
+        )
+        return target
+
+    @property
+    def link(self) -> Link:
+        return self.offload.link
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Logits (fp32) for ``input_ids`` (1, T) continuing ``cache``."""
+        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
+        return out.logits.float()
+
+    def close(self) -> None:
+        self.offload.link.close()
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Cut the KV cache back to its first ``length`` positions (speculation rolls back with it)."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if extra:
+        cache.crop(-extra)
+
+
+def _groups(budget: SlotConfig, loaded: LoadedModel) -> dict[int, int]:
+    layers = len(loaded.moe_layers)
+    count = budget.slots(layers, loaded.num_experts, loaded.shape.nbytes, loaded.top_k)
+    if budget.per_layer:
+        return dict.fromkeys(loaded.moe_layers, count)
+    return {-1: count}
+
+
+def _make_link(config: LinkConfig, device: torch.device) -> Link:
+    if config.kind == "cuda":
+        if device.type != "cuda":
+            raise ValueError("link: 'cuda' needs a CUDA device; use sim:GBPS on a CPU")
+        return CudaLink(device)
+    return SimulatedLink(config.bandwidth, config.latency)
+
+
+def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.integrations.moe import ExpertsInterface
 
 from specter.experts.store import ExpertShape, ExpertStore
-from specter.models.checkpoint import Checkpoint, CheckpointError
+from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.families import Family, family_for
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,9 @@ class LoadedModel:
 
 def load_config(model_dir: str | Path) -> tuple[Checkpoint, PretrainedConfig, Family]:
     """Open the checkpoint and its config, rejecting unsupported architectures up front."""
+    model_dir = resolve_model_dir(model_dir)
+    family = family_for(read_config_dict(model_dir).get("model_type"))
     checkpoint = Checkpoint(model_dir)
-    family = family_for(checkpoint.config.get("model_type"))
     try:
         config = AutoConfig.from_pretrained(str(checkpoint.dir))
     except Exception as exc:  # transformers raises many kinds for a bad config

@@ -1,0 +1,96 @@
+"""The simulated link keeps its time model, runs beside compute, and serves demand first;
+the slot pool never evicts what a pass still needs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specter.config import SlotConfig
+from specter.experts.link import DEMAND, PREFETCH, LinkError, SimulatedLink
+from specter.experts.slots import SlotPool
+from specter.experts.store import ExpertShape
+
+
+def test_transfer_takes_at_least_bytes_over_bandwidth_and_is_asynchronous():
+    link = SimulatedLink(bandwidth=1e8, latency=0.01)  # 4 MB at 100 MB/s + 10 ms = 50 ms
+    src, dst = torch.arange(1_000_000, dtype=torch.float32), torch.empty(1_000_000)
+    t0 = time.perf_counter()
+    transfer = link.submit((0, 0), 0, src, dst, DEMAND)
+    returned = time.perf_counter() - t0
+    assert not transfer.done.is_set() and returned < 0.04
+    transfer.wait(timeout=5)
+    assert time.perf_counter() - t0 >= 0.05
+    assert torch.equal(src, dst)
+    assert link.bytes_moved == 4_000_000 and link.busy_s >= 0.05 and link.transfers == 1
+    link.close()
+
+
+def test_demand_jumps_queued_prefetches():
+    link = SimulatedLink(bandwidth=1e8, latency=0.0)
+    buf = [torch.zeros(250_000) for _ in range(4)]  # 10 ms each
+    first = link.submit((0, 0), 0, buf[0], torch.empty(250_000), PREFETCH)
+    prefetch = link.submit((0, 1), 1, buf[1], torch.empty(250_000), PREFETCH)
+    demand = link.submit((0, 2), 2, buf[2], torch.empty(250_000), DEMAND)
+    demand.wait(5)
+    assert not prefetch.done.is_set()
+    prefetch.wait(5)
+    first.wait(5)
+    link.close()
+
+
+def test_stalled_transfer_times_out_with_a_clear_error():
+    link = SimulatedLink(bandwidth=1e3, latency=0.0)  # 40 kB at 1 kB/s = 40 s
+    transfer = link.submit((3, 7), 0, torch.zeros(10_000), torch.empty(10_000), DEMAND)
+    with pytest.raises(LinkError, match=r"expert \(3, 7\).*did not finish"):
+        transfer.wait(timeout=0.05)
+    link.cancel(transfer)
+
+
+def test_link_rejects_nonsense():
+    with pytest.raises(ValueError, match="bandwidth"):
+        SimulatedLink(bandwidth=0)
+    with pytest.raises(ValueError, match="latency"):
+        SimulatedLink(bandwidth=1e9, latency=-1)
+
+
+def test_pool_evicts_lru_but_never_pinned_or_protected():
+    pool = SlotPool(ExpertShape(4, 2, torch.float32), {-1: 3})
+    for slot, key in enumerate([(0, 0), (0, 1), (1, 0)]):
+        pool.place(key, slot, torch.full((24,), float(slot)))
+    pool.touch((0, 0))  # (0, 1) is now least recently used
+    assert pool.reserve((1, 5)) == 1 and (0, 1) not in pool.where
+    pool.place((1, 5), 1, torch.zeros(24))
+    pool.pin((1, 0))
+    assert pool.evictable(1, protect={(0, 0)}) == [(1, 5)]
+    pool.pin((1, 5))
+    assert pool.reserve((1, 6), protect={(0, 0)}) is None
+
+
+def test_per_layer_groups_evict_within_the_layer():
+    pool = SlotPool(ExpertShape(4, 2, torch.float32), {0: 2, 1: 2})
+    for key, slot in [((0, 0), 0), ((0, 1), 1), ((1, 0), 2), ((1, 1), 3)]:
+        pool.place(key, slot, torch.zeros(24))
+    slot = pool.reserve((1, 4))
+    assert slot in (2, 3) and (0, 0) in pool.where and (0, 1) in pool.where
+
+
+@pytest.mark.parametrize(
+    ("text", "per_layer", "want"),
+    [("0.5", False, 48), ("1.0", False, 96), ("12", False, 12), ("0.25", True, 6), ("1MiB", False, 96)],
+)
+def test_budget_forms(text, per_layer, want):
+    # 4 layers x 24 experts of 8 KiB, top-2
+    assert SlotConfig.parse(text, per_layer).slots(4, 24, 8192, 2) == want
+
+
+def test_budget_below_one_layers_top_k_is_refused_before_work():
+    with pytest.raises(ValueError, match="top-4 experts.*minimum is 4"):
+        SlotConfig(fraction=0.01).slots(4, 64, 1000, 4)
+    with pytest.raises(ValueError, match="per layer"):
+        SlotConfig(experts=3, per_layer=True).slots(4, 64, 1000, 4)
+    for bad in ("0", "1.5", "-3", "lots", "nan"):
+        with pytest.raises(ValueError, match="budget"):
+            SlotConfig.parse(bad)

@@ -31,27 +31,27 @@ def _fraction(text: str) -> SlotConfig:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction of the routed experts in (0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a fraction of the routed experts in (0, 1], got {text!r}") from None
     try:
         return SlotConfig(fraction=value)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("budget: "))
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("budget: ")) from None
 
 
 def _link(text: str) -> LinkConfig:
     try:
         return LinkConfig.parse(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("link: "))
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("link: ")) from None
 
 
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}") from None
     return value
 
 
@@ -59,9 +59,9 @@ def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
     if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}") from None
     return ids
 
 
@@ -124,7 +124,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tokens, stats = generate(target, prompt_ids, args.max_new_tokens, sampling, eos_token_id=eos)
     finally:
         target.close()
-    text = tokenizer.decode(tokens) if tokenizer is not None else ""
+    text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
     if args.json:
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats.to_dict()}))
     else:

@@ -65,7 +65,7 @@ class SlotConfig:
                 f"budget: expected a fraction in (0, 1], an expert count or a size like 512MiB, got {text!r}"
             ) from None
 
-    def slots(self, layers: int, experts_per_layer: int, expert_bytes: int, top_k: int) -> dict[int, int] | int:
+    def slots(self, layers: int, experts_per_layer: int, expert_bytes: int, top_k: int) -> int:
         """Slots per layer (``per_layer``) or in total, checked against the legal minimum.
 
         The smallest legal budget is one decode step of one MoE layer: its top-k experts.

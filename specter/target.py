@@ -60,7 +60,7 @@ class OffloadedTarget:
         groups = _groups(budget, loaded)
         pin = device.type == "cuda"
         store = load_store(loaded, pin=pin)
-        loaded.model.to(device)
+        loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
         pool = SlotPool(loaded.shape, groups, device)
         if isinstance(link, LinkConfig):
             link = _make_link(link, device)

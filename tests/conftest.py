@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import CONFIGS, save_tiny  # noqa: E402
 
+hf_logging.disable_progress_bar()
 torch.set_num_threads(1)  # two cores: leave one to the link thread and the other test work
 
 

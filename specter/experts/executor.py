@@ -11,6 +11,7 @@ transformers' eager loop does, so results do not depend on arrival order.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ class OffloadedExperts:
         self.policy = policy
         self.timeout = timeout
         self.counters = OffloadCounters()
+        self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
         self.on_cuda = pool.storage.is_cuda
         policy.bind(self)
 
@@ -74,6 +76,7 @@ class OffloadedExperts:
     ) -> torch.Tensor:
         """Same result as transformers' eager experts loop, with experts taken from slots."""
         needed = sorted(set(top_k_index.flatten().tolist()))
+        self.last_routing[layer] = top_k_index
         self.counters.layers += 1
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
@@ -131,7 +134,7 @@ class OffloadedExperts:
             pending.append(key)
 
     def _run(
-        self, module: torch.nn.Module, key: Key, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        self, module: Any, key: Key, hidden: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert on its tokens, exactly as the eager loop computes it; then unpin its slot."""

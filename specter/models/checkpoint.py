@@ -131,7 +131,7 @@ class Checkpoint:
 
 def read_into(entry: TensorEntry, out: torch.Tensor, start: int, nbytes: int) -> None:
     """Read ``nbytes`` from ``entry``'s file at absolute byte ``start`` into the uint8 tensor ``out``."""
-    view = memoryview(out.numpy()).cast("B")
+    view = out.numpy().data.cast("B")
     with open(entry.path, "rb") as handle:
         handle.seek(start)
         got = handle.readinto(view[:nbytes])

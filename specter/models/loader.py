@@ -65,7 +65,7 @@ def load_config(model_dir: str | Path) -> tuple[Checkpoint, PretrainedConfig, Fa
     try:
         config = AutoConfig.from_pretrained(str(checkpoint.dir))
     except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"{checkpoint.dir}/config.json cannot be read as a {family.model_type} config: {exc}")
+        raise CheckpointError(f"{checkpoint.dir}/config.json cannot be read as a {family.model_type} config: {exc}") from exc
     return checkpoint, config, family
 
 
@@ -78,14 +78,14 @@ def build_dense(model_dir: str | Path, dtype: torch.dtype | None = None) -> Load
     experts = _experts_modules(model)
     if not experts:
         raise CheckpointError(f"{checkpoint.dir}: the {family.model_type} model built from it has no MoE layers")
-    first = next(iter(experts.values()))
+    first: Any = next(iter(experts.values()))
     num_experts, two_i, hidden = first.gate_up_proj.shape
     shape = ExpertShape(hidden=hidden, intermediate=two_i // 2, dtype=dtype)
     for module in experts.values():
         _drop_fused(module)
     dense_bytes = _load_dense(model, checkpoint, family)
     model.eval()
-    top_k = int(getattr(config, "num_experts_per_tok"))
+    top_k = int(config.num_experts_per_tok)
     return LoadedModel(
         model, config, family, checkpoint, sorted(experts), experts, num_experts, top_k, shape, dense_bytes
     )
@@ -126,7 +126,7 @@ def _drop_fused(module: torch.nn.Module) -> None:
 
 def _load_dense(model: PreTrainedModel, checkpoint: Checkpoint, family: Family) -> int:
     """Read every dense tensor into the model; error on any missing or unexpected tensor."""
-    expected = dict(model.named_parameters())
+    expected: dict[str, torch.Tensor] = dict(model.named_parameters())
     expected.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
     state: dict[str, torch.Tensor] = {}
     nbytes = 0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specter.experts.slots import Key
+from specter.protocol import PlanDelta
 
 if TYPE_CHECKING:
     from specter.experts.executor import OffloadedExperts
@@ -26,6 +27,21 @@ class Policy:
     def bind(self, offload: OffloadedExperts) -> None:
         """Called once when the policy is attached to a target's experts."""
         self.offload = offload
+
+    def begin_request(self) -> None:
+        """A new request starts (its rounds count from 0)."""
+
+    def begin_round(self, round_id: int) -> None:
+        """A speculative round starts; plans of older rounds are stale from now on."""
+
+    def on_plan(self, delta: PlanDelta) -> None:
+        """A draft step's routing, sent the moment the step finishes."""
+
+    def begin_verify(self, round_id: int, positions: int) -> None:
+        """The target is about to verify ``positions`` positions in one pass."""
+
+    def end_round(self, round_id: int, accepted: int, true_routing: dict[int, set[int]]) -> None:
+        """The round is decided; ``true_routing`` is the verify pass's experts per layer."""
 
     def before_layer(self, layer: int, hidden: torch.Tensor, needed: list[int]) -> None:
         """Called at each MoE layer once its true routing is known, before any expert runs."""

@@ -1,0 +1,1 @@
+"""Thin Ray actor shells around ``specter`` classes (draft, transfer, verifier) and their launcher."""

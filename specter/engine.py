@@ -1,0 +1,216 @@
+"""The speculative round, in one process: draft K tokens, verify K+1 positions, accept, roll back.
+
+With no draft (or K = 0) a round is one plain decode step of the target, which is how the
+``demand-lru`` and ``gate-prefetch`` baselines run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from specter.config import SamplingConfig
+from specter.protocol import PlanDelta
+from specter.stats import RequestStats
+from specter.target import OffloadedTarget, crop_cache
+from specter.verify.accept import accept_greedy, accept_sampled
+from specter.verify.sampling import choose, probabilities
+
+Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Draft(Protocol):
+    """What the engine needs of a draft model."""
+
+    @property
+    def last_routing(self) -> Routing: ...
+
+    def new_cache(self) -> DynamicCache: ...
+
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor: ...
+
+
+@dataclass
+class _Tally:
+    """Per-request accumulators the round updates."""
+
+    accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    hit: int = 0
+    predicted: int = 0
+    true: int = 0
+
+
+class Engine:
+    """Generates with an offloaded target and, optionally, a draft proposing ``window`` tokens."""
+
+    def __init__(self, target: OffloadedTarget, draft: Draft | None = None, window: int = 0):
+        if window < 0 or window > 64:
+            raise ValueError(f"window: K must be in [0, 64], got {window}")
+        if window > 0 and draft is None:
+            raise ValueError("window: K > 0 needs a draft model")
+        self.target = target
+        self.draft = draft if window > 0 else None
+        self.window = window
+        self.policy = target.offload.policy
+
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
+        eos_token_id: int | None = None,
+    ) -> tuple[list[int], RequestStats]:
+        """Up to ``max_new_tokens`` new token ids after ``prompt_ids``, and the request's stats."""
+        sampling = sampling or SamplingConfig()
+        if not prompt_ids:
+            raise ValueError("prompt: must hold at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        gen = torch.Generator().manual_seed(sampling.seed)
+        before = (self.target.offload.counters.snapshot(), _link_state(self.target))
+        self.policy.begin_request()
+        tally = _Tally()
+        t0 = time.perf_counter()
+        tcache = self.target.new_cache()
+        logits = self.target.forward(torch.tensor([prompt_ids]), tcache)
+        seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
+        commits = [time.perf_counter()]
+        dstate = self._draft_prefill(prompt_ids)
+        round_id = 0
+        while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
+            remaining = max_new_tokens - (len(seq) - len(prompt_ids))
+            new = self._round(round_id, seq, tcache, dstate, min(self.window, remaining - 1), sampling, gen, tally)
+            seq += _until_eos(new[:remaining], eos_token_id)
+            commits += [time.perf_counter()] * len(new[:remaining])
+            round_id += 1
+        tokens = seq[len(prompt_ids):]
+        return tokens, self._stats(before, len(prompt_ids), t0, commits, tally)
+
+    # -- the round --------------------------------------------------------------------------
+    def _draft_prefill(self, prompt_ids: list[int]) -> list | None:
+        """Draft cache over the prompt; state is [cache, positions the draft has processed]."""
+        if self.draft is None:
+            return None
+        cache = self.draft.new_cache()
+        self.draft.forward(torch.tensor([prompt_ids]), cache)
+        return [cache, len(prompt_ids)]
+
+    def _round(
+        self, round_id: int, seq: list[int], tcache: DynamicCache, dstate: list | None, k: int,
+        sampling: SamplingConfig, gen: torch.Generator, tally: _Tally,
+    ) -> list[int]:
+        """One round; returns the tokens it commits (accepted drafts + the target's next token)."""
+        self.policy.begin_round(round_id)
+        t0 = time.perf_counter()
+        drafts, qs, predicted = self._draft(round_id, seq, dstate, k, sampling, gen) if k else ([], [], {})
+        t1 = time.perf_counter()
+        self.policy.begin_verify(round_id, len(drafts) + 1)
+        logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
+        true = {layer: set(ids.flatten().tolist()) for layer, ids in self.target.offload.last_routing.items()}
+        if sampling.greedy:
+            n, nxt = accept_greedy(logits, drafts)
+        elif drafts:
+            n, nxt = accept_sampled(probabilities(logits, sampling), torch.stack(qs), drafts, gen)
+        else:
+            n, nxt = 0, choose(logits[-1], sampling, gen)
+        tally.draft_s += t1 - t0
+        tally.verify_s += time.perf_counter() - t1
+        crop_cache(tcache, len(seq) + n)  # the cache held seq[:-1]; keep seq[-1] and the accepted drafts
+        if dstate is not None:
+            dstate[1] = min(dstate[1], len(seq) + n)
+            crop_cache(dstate[0], dstate[1])
+        self.policy.end_round(round_id, n, true)
+        if k:
+            tally.accepted.append(n)
+            _score(tally, predicted, true)
+        return drafts[:n] + [nxt]
+
+    def _draft(
+        self, round_id: int, seq: list[int], dstate: list | None, k: int, sampling: SamplingConfig,
+        gen: torch.Generator,
+    ) -> tuple[list[int], list[torch.Tensor], dict[int, set[int]]]:
+        """K draft steps; after each, its routing goes to the policy as a plan delta at once."""
+        assert self.draft is not None and dstate is not None
+        cache, done = dstate
+        pending = seq[done:]
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        predicted: dict[int, set[int]] = {}
+        for step in range(k):
+            logits = self.draft.forward(torch.tensor([pending]), cache)[0, -1]
+            dstate[1] += len(pending)
+            delta = _plan_delta(round_id, step, self.draft.last_routing, predicted)
+            self.policy.on_plan(delta)
+            if sampling.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                q = probabilities(logits, sampling)
+                token = int(torch.multinomial(q.cpu(), 1, generator=gen))
+                qs.append(q.cpu())
+            drafts.append(token)
+            pending = [token]
+        return drafts, qs, predicted
+
+    def _stats(self, before, prompt_len: int, t0: float, commits: list[float], tally: _Tally) -> RequestStats:
+        counters = self.target.offload.counters.since(before[0])
+        moved, busy, transfers = (a - b for a, b in zip(_link_state(self.target), before[1], strict=True))
+        decode_s = commits[-1] - commits[0]
+        total = commits[-1] - t0
+        hist = [tally.accepted.count(i) for i in range(self.window + 1)] if self.window else []
+        return RequestStats(
+            prompt_tokens=prompt_len,
+            new_tokens=len(commits),
+            prefill_s=commits[0] - t0,
+            decode_s=decode_s,
+            # TPOT as the published evaluation defines it: (last commit - first commit) / (N - 1).
+            tpot_s=decode_s / (len(commits) - 1) if len(commits) > 1 else commits[0] - t0,
+            hits=counters.hits,
+            inflight=counters.inflight,
+            misses=counters.misses,
+            hit_rate=counters.hit_rate,
+            wait_s=counters.wait_s,
+            bytes_moved=int(moved),
+            link_busy_s=float(busy),
+            link_busy_fraction=float(busy) / total if total > 0 else 0.0,
+            transfers=int(transfers),
+            extra={
+                "policy": self.policy.name,
+                "window": self.window,
+                "rounds": len(tally.accepted),
+                "accepted_hist": hist,
+                "mean_accepted": sum(tally.accepted) / len(tally.accepted) if tally.accepted else 0.0,
+                "recall": tally.hit / tally.true if tally.true else 0.0,
+                "precision": tally.hit / tally.predicted if tally.predicted else 0.0,
+                "draft_s": tally.draft_s,
+                "verify_s": tally.verify_s,
+            },
+        )
+
+
+def _plan_delta(round_id: int, step: int, routing: Routing, predicted: dict[int, set[int]]) -> PlanDelta:
+    layers = sorted(routing)
+    experts = [routing[layer][0].flatten().tolist() for layer in layers]
+    probs = [routing[layer][1].flatten().tolist() for layer in layers]
+    for layer, ids in zip(layers, experts, strict=True):
+        predicted.setdefault(layer, set()).update(ids)
+    return PlanDelta(round_id, step, layers, experts, probs)
+
+
+def _score(tally: _Tally, predicted: dict[int, set[int]], true: dict[int, set[int]]) -> None:
+    for layer, want in true.items():
+        got = predicted.get(layer, set())
+        tally.hit += len(got & want)
+        tally.true += len(want)
+        tally.predicted += len(got)
+
+
+def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def _link_state(target: OffloadedTarget) -> tuple[int, float, int]:
+    link = target.link
+    return link.bytes_moved, link.busy_s, link.transfers

@@ -1,0 +1,47 @@
+"""Capturing a model's routing: which experts each MoE layer's router picked, per position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_ROUTER_NAMES = ("gate", "router")
+
+
+def router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """layer index → the router of each MoE layer (``mlp.gate`` or ``mlp.router``)."""
+    found: dict[int, torch.nn.Module] = {}
+    for index, layer in enumerate(model.get_decoder().layers):  # type: ignore[operator]
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not hasattr(mlp, "experts"):
+            continue
+        for name in _ROUTER_NAMES:
+            module = getattr(mlp, name, None)
+            if isinstance(module, torch.nn.Module) and not isinstance(module, torch.nn.Sequential):
+                found[index] = module
+                break
+    return found
+
+
+class RoutingRecorder:
+    """Forward hooks on every router; ``last`` holds the latest call's (ids, weights) per layer.
+
+    Routers in transformers 5 return ``(router_logits, top_k_weights, top_k_index)``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = router_modules(model)
+        self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in self.routers.items()]
+
+    def _hook(self, layer: int) -> Any:
+        def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+            _, weights, index = output
+            self.last[layer] = (index.detach(), weights.detach().float())
+
+        return record
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,62 @@
+"""``specter generate``: the CLI contract (flags, --json) and one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specter.cli import main
+
+
+def test_generate_json_matches_transformers(tiny_dir, capsys):
+    folder = tiny_dir("qwen2_moe")
+    code = main(["generate", "--model", str(folder), "--prompt-ids", "4,8,15,16,23", "--max-new-tokens", "6",
+                 "--budget", "0.4", "--link", "sim:2,5", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    out = ref.generate(torch.tensor([[4, 8, 15, 16, 23]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert result["tokens"] == out[0, 5:].tolist()
+    stats = result["stats"]
+    assert {"tpot_s", "hits", "misses", "bytes_moved"} <= set(stats)
+    assert stats["hits"] + stats["misses"] > 0 and stats["tpot_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--budget", "1.5"], "--budget"),
+        (["--budget", "abc"], "--budget"),
+        (["--link", "pcie9"], "--link"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--policy", "magic"], "--policy"),
+        (["--prompt-ids", "1,x"], "--prompt-ids"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(tiny_dir, capsys, argv, flag):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2"] + argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err
+
+
+def test_load_errors_are_one_line_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specter.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt-ids", "1"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"specter: error: model folder '{tmp_path / 'missing'}' does not exist"]
+
+
+def test_budget_below_minimum_is_refused(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1", "--budget", "0.05"]) == 1
+    assert "minimum is 2 slots" in capsys.readouterr().err

@@ -58,6 +58,7 @@ class Engine:
         self.draft = draft if window > 0 else None
         self.window = window
         self.policy = target.offload.policy
+        self.policy.window = window
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -88,6 +89,20 @@ class Engine:
             round_id += 1
         tokens = seq[len(prompt_ids):]
         return tokens, self._stats(before, len(prompt_ids), t0, commits, tally)
+
+    def generate_fresh(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
+        eos_token_id: int | None = None,
+    ) -> tuple[list[int], RequestStats]:
+        """``generate`` from the initial slot residency; the oracle first records its trace."""
+        offload = self.target.offload
+        replay = getattr(self.policy, "replay", None)
+        if replay is not None:
+            offload.reset_residency()
+            self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
+            replay()
+        offload.reset_residency()
+        return self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
 
     # -- the round --------------------------------------------------------------------------
     def _draft_prefill(self, prompt_ids: list[int]) -> list | None:

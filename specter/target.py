@@ -31,6 +31,7 @@ class OffloadedTarget:
         self.tokenizer: PreTrainedTokenizerBase | None = None
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = offload
+        offload.policy.attach_model(self.model)
 
     @classmethod
     def load(

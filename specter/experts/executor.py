@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specter.experts.link import DEMAND, Link, Transfer
-from specter.experts.slots import Key, SlotPool
+from specter.experts.slots import ChooseVictim, Key, SlotPool
 from specter.experts.store import ExpertStore
 from specter.plan.base import Policy
 from specter.stats import OffloadCounters
@@ -38,9 +38,11 @@ class OffloadedExperts:
         policy.bind(self)
 
     # -- moving experts -------------------------------------------------------------------
-    def fetch(self, key: Key, priority: int, protect: set[Key]) -> Transfer | None:
+    def fetch(
+        self, key: Key, priority: int, protect: set[Key], choose: ChooseVictim | None = None
+    ) -> Transfer | None:
         """Start moving ``key`` into a slot; None when no slot can be freed right now."""
-        slot = self.pool.reserve(key, protect, self.policy.choose_victim)
+        slot = self.pool.reserve(key, protect, choose or self.policy.choose_victim)
         if slot is None:
             return None
         src = self.store.blob(*key)
@@ -48,6 +50,15 @@ class OffloadedExperts:
         transfer = self.link.submit(key, slot, src, self.pool.storage[slot], priority, wait_for)
         self.pool.start_loading(key, slot, transfer)
         return transfer
+
+    def cancel(self, key: Key) -> bool:
+        """Drop a queued (not started) transfer of ``key`` and free its slot."""
+        transfer = self.pool.loading.get(key)
+        if transfer is None or self.pool.pins[self.pool.where[key]] or not self.link.cancel(transfer):
+            return False
+        self.pool.finish_loading(key)
+        self.pool.evict(key)
+        return True
 
     def wait(self, key: Key) -> None:
         """Block until ``key``'s transfer has landed; the time counts as waiting."""
@@ -57,6 +68,14 @@ class OffloadedExperts:
         self.link.promote(transfer)
         self.counters.wait_s += transfer.wait(self.timeout)
         self.pool.finish_loading(key)
+
+    def reset_residency(self) -> None:
+        """Empty every slot and refill the initial residency (same start for every run)."""
+        for key in list(self.pool.loading):
+            self.wait(key)
+        for key in list(self.pool.where):
+            self.pool.evict(key)
+        self.prefill_slots()
 
     def prefill_slots(self) -> None:
         """Fill empty slots round-robin over layers (expert 0 of every layer, then 1, …), untimed."""
@@ -89,14 +108,17 @@ class OffloadedExperts:
             outputs[key[1]] = self._run(module, key, hidden, top_k_index, top_k_weights)
             protect.discard(key)
             self._issue(queue, pending, protect)
-        while pending:
+        while queue or pending:
+            if not pending:
+                # Every free-able slot is taken by prefetches still in flight: let one land.
+                self._land_one(layer, queue[0])
+                self._issue(queue, pending, protect)
+                continue
             key = pending.popleft()
             self.wait(key)
             outputs[key[1]] = self._run(module, key, hidden, top_k_index, top_k_weights)
             protect.discard(key)
             self._issue(queue, pending, protect)
-            if queue and not pending:
-                raise RuntimeError(f"layer {layer}: no expert slot can be freed for {queue[0]}")
         final = torch.zeros_like(hidden)
         for e in needed:
             final.index_add_(0, *outputs[e])
@@ -122,6 +144,14 @@ class OffloadedExperts:
             self.pool.pin(key)
             self.pool.touch(key)
         return ready, pending, missing
+
+    def _land_one(self, layer: int, waiting: Key) -> None:
+        """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""
+        group = self.pool.group_of(layer)
+        flying = [k for k in self.pool.loading if self.pool.group_of(k[0]) == group]
+        if not flying:
+            raise RuntimeError(f"layer {layer}: no expert slot can be freed for expert {waiting}")
+        self.wait(flying[0])
 
     def _issue(self, queue: deque[Key], pending: deque[Key], protect: set[Key]) -> None:
         """Start demand fetches for missing experts while slots can be found."""

@@ -20,13 +20,18 @@ class Policy:
     """
 
     name = "base"
+    default_window = 0  # draft tokens per round when the user gives none (0: plain decoding)
 
     def __init__(self) -> None:
         self.offload: OffloadedExperts | None = None
+        self.window = 0
 
     def bind(self, offload: OffloadedExperts) -> None:
         """Called once when the policy is attached to a target's experts."""
         self.offload = offload
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Called once the target's transformers model is loaded (policies that need its routers)."""
 
     def begin_request(self) -> None:
         """A new request starts (its rounds count from 0)."""

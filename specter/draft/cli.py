@@ -1,0 +1,87 @@
+"""``specter quantize``: make an int4 (AWQ or RTN) or int8 draft folder from a target checkpoint.
+
+Wired into ``specter/cli.py`` with ``add_quantize_command(commands)`` and, for
+``args.command == "quantize"``, ``return run_quantize(args)``. Bad flags exit 2 with one line
+naming the flag; a missing model folder, an unsupported architecture or a failed load exit 1
+with one line naming the thing at fault. Neither prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from specter.draft.awq import METHODS
+from specter.models.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _existing_file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"file {text!r} does not exist")
+    return path
+
+
+def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``quantize`` to a subparsers action; returns the new parser."""
+    cmd = subparsers.add_parser("quantize", help="quantize a target's routed experts into a draft folder")
+    cmd.add_argument("--model", required=True, help="target checkpoint folder")
+    cmd.add_argument("--out", required=True, help="draft folder to write")
+    cmd.add_argument("--method", choices=METHODS, default="awq",
+                     help="awq (int4, activation-aware), rtn (int4 round-to-nearest), int8 (default awq)")
+    cmd.add_argument("--group-size", type=_positive_int, default=128, help="int4 group size (default 128)")
+    cmd.add_argument("--calib-file", type=_existing_file, default=None,
+                     help="calibration text (default: the packaged calibration.txt)")
+    cmd.add_argument("--calib-tokens", type=_positive_int, default=4096, help="calibration tokens (default 4096)")
+    return cmd
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Run ``specter quantize``; returns the process exit status."""
+    from specter.draft.quantize import quantize_model
+
+    if not Path(args.model).expanduser().exists():
+        return _fail(f"model folder {args.model!r} does not exist")
+    _show_progress()
+    try:
+        report = quantize_model(
+            args.model, args.out, method=args.method, calib_text=args.calib_file,
+            calib_tokens=args.calib_tokens, group_size=args.group_size, progress=True,
+        )
+    except (CheckpointError, ValueError) as exc:  # UnsupportedArchitectureError is a ValueError
+        return _fail(str(exc))
+    groups = report["group_sizes"]
+    print(
+        f"wrote {args.out}: {report['method']} int{report['num_bits']}, group {groups['gate_up']}/{groups['down']} "
+        f"(gate_up/down), {report['packed_bytes'] / 1e6:.2f} MB packed experts "
+        f"(target {report['target_expert_bytes'] / 1e6:.2f} MB), {report['calibration']['tokens']} calibration tokens, "
+        f"{report['rtn_fallback_experts']} RTN fallbacks"
+    )
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"specter quantize: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _show_progress() -> None:
+    """Progress lines (INFO records of specter.draft) reach stderr even when the CLI is not verbose:
+    records propagate to the root handlers whatever the root logger's own level."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(message)s")
+    logging.getLogger("specter.draft").setLevel(logging.INFO)

@@ -1,0 +1,198 @@
+"""How the draft computes with its quantized experts: three interchangeable ways.
+
+* ``int4-kernel`` — torch's int4 matmul (``aten._weight_int4pack_mm_for_cpu``) on weights
+  converted once to its tiled layout; the AWQ scale divides the input first. CPU only, 4-bit,
+  and only where the kernel accepts the shape (output dim a multiple of 16, group 32–256);
+  other projections use the dequantized cache.
+* ``dequant-cache`` — every expert dequantized once at load into a dense compute cache
+  (``W = (codes - zero) * scale / s``); plain ``F.linear`` per step.
+* ``dequant-on-the-fly`` — only the packed words stay resident; each call unpacks and
+  dequantizes the experts it needs (least memory, most work per step).
+
+``auto`` times the first two on one expert and keeps the faster: on this project's CPUs the
+int4 kernel measured several times slower than a dense fp32 matmul (see NOTES.md), on a GPU
+int4 kernels pay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specter.draft.pack import pack_int32, unpack_int32
+from specter.draft.qweight import QuantWeight
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly")
+_KERNEL_GROUPS = (32, 64, 128, 256)
+
+Key = tuple[int, int]
+# (gate, up, down) of one expert.
+ExpertWeights = tuple[QuantWeight, QuantWeight, QuantWeight]
+
+
+def fuse_rows(top: QuantWeight, bottom: QuantWeight) -> QuantWeight:
+    """Stack gate and up into one ``(2I, H)`` quantized weight (they share group size and AWQ scale)."""
+    if top.group_size != bottom.group_size or top.num_bits != bottom.num_bits:
+        raise ValueError("gate and up must share num_bits and group_size")
+    awq_top, awq_bottom = top.awq_scale, bottom.awq_scale
+    if (awq_top is None) != (awq_bottom is None) or (
+        awq_top is not None and awq_bottom is not None and not torch.equal(awq_top, awq_bottom)
+    ):
+        raise ValueError("gate and up must share one AWQ input scale (they see the same input)")
+    return QuantWeight(
+        torch.cat([top.codes, bottom.codes]), torch.cat([top.scale, bottom.scale]),
+        torch.cat([top.zero, bottom.zero]), top.num_bits, top.group_size, top.awq_scale,
+    )
+
+
+def kernel_accepts(quant: QuantWeight) -> bool:
+    """Whether the CPU int4 kernel takes this weight's shape and grouping."""
+    out, inp = quant.shape
+    return quant.num_bits == 4 and out % 16 == 0 and quant.group_size in _KERNEL_GROUPS and inp % quant.group_size == 0
+
+
+class _Dense:
+    """A dequantized projection: ``F.linear(x, W)``."""
+
+    def __init__(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device):
+        self.weight = quant.dequantize(dtype).to(device)
+        self.nbytes = self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _Int4:
+    """A projection through torch's CPU int4 kernel (tinygemm layout)."""
+
+    def __init__(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device):
+        unsigned = quant.codes.to(torch.int32) + 8
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.to(device), 2)
+        # The kernel computes (q_unsigned - 8) * scale + zero; ours is (code - zp) * scale,
+        # with code = q_unsigned - 8, so its "zero" is -zp * scale.
+        scale = quant.scale.float()
+        shift = -quant.zero.float() * scale
+        self.scale_zero = torch.stack([scale.T, shift.T], dim=-1).contiguous().to(device, dtype)
+        self.group = quant.group_size
+        self.inv_awq = None if quant.awq_scale is None else (1.0 / quant.awq_scale).to(device, dtype)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_awq is not None:
+            x = x * self.inv_awq
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scale_zero)
+
+
+class _OnTheFly:
+    """A projection kept packed; unpacked and dequantized at each call."""
+
+    def __init__(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device):
+        self.words = pack_int32(quant.codes, quant.num_bits, dim=1).to(device)
+        self.shape = quant.shape
+        self.bits, self.group = quant.num_bits, quant.group_size
+        self.scale, self.zero = quant.scale.to(device), quant.zero.to(device)
+        self.awq = None if quant.awq_scale is None else quant.awq_scale.to(device)
+        self.dtype = dtype
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes = unpack_int32(self.words, self.bits, self.shape[1], dim=1)
+        quant = QuantWeight(codes, self.scale, self.zero, self.bits, self.group, self.awq)
+        return F.linear(x, quant.dequantize(self.dtype))
+
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExpertKernels:
+    """Every draft expert, resident, behind one compute mode.
+
+    Args:
+        experts: (layer, expert) → (gate, up, down) quantized weights.
+        mode: ``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly`` (not ``auto``).
+        dtype: compute dtype (the model's).
+        device: where the weights live.
+    """
+
+    def __init__(self, experts: dict[Key, ExpertWeights], mode: str, dtype: torch.dtype, device: torch.device):
+        if mode not in MODES or mode == "auto":
+            raise ValueError(f"mode must be one of {', '.join(MODES[1:])}; got {mode!r}")
+        if mode == "int4-kernel" and device.type != "cpu":
+            raise ValueError(f"mode 'int4-kernel' is implemented for cpu only, not {device.type}")
+        self.mode = mode
+        self.kernel_fallbacks = 0
+        self._gate_up: dict[Key, Projection] = {}
+        self._down: dict[Key, Projection] = {}
+        for key, (gate, up, down) in experts.items():
+            self._gate_up[key] = self._make(fuse_rows(gate, up), dtype, device)
+            self._down[key] = self._make(down, dtype, device)
+        if self.kernel_fallbacks:
+            log.info("int4-kernel: %d projections outside the kernel's shapes use the dequantized cache",
+                     self.kernel_fallbacks)
+
+    def _make(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device) -> Projection:
+        if self.mode == "dequant-on-the-fly":
+            return _OnTheFly(quant, dtype, device)
+        if self.mode == "int4-kernel" and kernel_accepts(quant):
+            return _Int4(quant, dtype, device)
+        self.kernel_fallbacks += self.mode == "int4-kernel"
+        return _Dense(quant, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the compute representation holds (the cache, the kernel layout, or packed words)."""
+        return sum(p.nbytes for p in (*self._gate_up.values(), *self._down.values()))  # type: ignore[attr-defined]
+
+    def gate_up(self, key: Key, x: torch.Tensor) -> torch.Tensor:
+        """``x (n, H) → (n, 2I)`` gate outputs then up outputs."""
+        return self._gate_up[key](x)
+
+    def down(self, key: Key, h: torch.Tensor) -> torch.Tensor:
+        """``h (n, I) → (n, H)``."""
+        return self._down[key](h)
+
+
+def time_modes(
+    expert: ExpertWeights, dtype: torch.dtype, device: torch.device, tokens: int = 1, repeat: int = 50
+) -> dict[str, float]:
+    """Median seconds of one expert's gate_up + down on ``tokens`` tokens, per usable mode."""
+    modes = ["dequant-cache", "dequant-on-the-fly"]
+    if device.type == "cpu" and all(kernel_accepts(q) for q in (fuse_rows(expert[0], expert[1]), expert[2])):
+        modes.insert(0, "int4-kernel")
+    x = torch.randn(tokens, expert[0].shape[1], dtype=dtype, device=device)
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for mode in modes:
+            kernels = ExpertKernels({(0, 0): expert}, mode, dtype, device)
+            out[mode] = _median_time(lambda k=kernels: k.down((0, 0), k.gate_up((0, 0), x)[:, : expert[0].shape[0]]),
+                                     repeat, device)
+    return out
+
+
+def choose_mode(expert: ExpertWeights, dtype: torch.dtype, device: torch.device) -> tuple[str, dict[str, float]]:
+    """The faster of ``int4-kernel`` and ``dequant-cache`` for one decode token, with the timings."""
+    if device.type != "cpu":
+        return "dequant-cache", {}
+    timings = time_modes(expert, dtype, device, tokens=1, repeat=30)
+    candidates = {m: t for m, t in timings.items() if m in ("int4-kernel", "dequant-cache")}
+    return min(candidates, key=lambda m: candidates[m]), timings
+
+
+def _median_time(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    fn()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,214 @@
+"""Make a draft folder from a target checkpoint: ``quantize_model``.
+
+Steps: build the target the way Specter runs it (dense parts + one host store of experts),
+record each expert's calibration inputs, then quantize layer by layer and write
+
+* ``model.safetensors`` — every dense tensor copied unchanged (disk names, disk dtype) plus the
+  packed experts (see ``specter.draft.pack``);
+* ``config.json`` — the target's, plus ``quantization_config`` (compressed-tensors) and a small
+  ``specter_draft`` block;
+* tokenizer and generation files, copied;
+* ``draft_report.json`` — method, group sizes, α per layer, RTN fallbacks, bytes, per-layer error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from specter.draft.awq import QuantExpert, QuantSpec, quantize_expert
+from specter.draft.calibrate import CalibrationRecorder, calibration_ids, record_expert_inputs
+from specter.draft.pack import AWQ_SCALE, quantization_config, weight_tensors
+from specter.experts.store import ExpertStore
+from specter.models.loader import LoadedModel, build_dense, load_store
+
+log = logging.getLogger(__name__)
+
+REPORT = "draft_report.json"
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", REPORT}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def quantize_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    method: str = "awq",
+    calib_text: str | Path | None = None,
+    calib_tokens: int = 4096,
+    group_size: int = 128,
+    progress: bool = True,
+    *,
+    calib_ids: list[int] | None = None,
+    cap: int = 512,
+    grid: int = 20,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Quantize a target's routed experts and write the draft folder.
+
+    Args:
+        model_dir: the target checkpoint folder.
+        out_dir: the draft folder to write (created; must differ from ``model_dir``).
+        method: ``awq`` | ``rtn`` | ``int8``.
+        calib_text: calibration text file (default: the packaged calibration.txt, if present).
+        calib_tokens: calibration tokens used at most.
+        group_size: requested int4 group size (falls back per input dim; reported).
+        progress: log progress at INFO.
+        calib_ids: calibration token ids (overrides ``calib_text``; tests, random models).
+        cap: calibration tokens kept per expert.
+        grid: α grid points for AWQ.
+        seed: calibration sampling seed.
+
+    Returns:
+        The report also written to ``out_dir/draft_report.json``.
+    """
+    QuantSpec(method, group_size, grid)  # validate flags before any loading
+    loaded = build_dense(model_dir)
+    out = Path(out_dir).expanduser()
+    if out.resolve() == loaded.checkpoint.dir.resolve():
+        raise ValueError(f"out_dir {str(out)!r} is the model folder itself; choose another folder")
+    spec = QuantSpec(method, group_size, grid, loaded.shape.dtype)
+    ids = calib_ids if calib_ids is not None else calibration_ids(loaded.checkpoint.dir, calib_text, calib_tokens)
+    if ids is not None:
+        ids = ids[:calib_tokens]
+    if method == "awq" and not ids:
+        raise ValueError("calib_text: AWQ needs calibration text (and a tokenizer in the model folder) or calib_ids")
+    store = load_store(loaded, progress=progress)
+    recorder = record_expert_inputs(loaded, store, ids, cap=cap, seed=seed, progress=progress) if ids else None
+    tensors = _dense_tensors(loaded)
+    layers: dict[str, Any] = {}
+    for layer in loaded.moe_layers:
+        experts = _quantize_layer(loaded, store, recorder, layer, spec)
+        for expert, quant in enumerate(experts):
+            tensors.update(_expert_tensors(loaded, layer, expert, quant))
+        layers[str(layer)] = _layer_summary(experts, store, layer)
+        if progress:
+            log.info("quantized layer %d (%s): %s", layer, method, layers[str(layer)])
+    report = _report(loaded, spec, tensors, layers, len(ids) if ids else 0, cap)
+    _write(loaded, out, tensors, _config(loaded, spec, report), report)
+    if progress:
+        log.info("draft written to %s: %.2f MB packed experts (%s)", out, report["packed_bytes"] / 1e6, method)
+    return report
+
+
+def _quantize_layer(
+    loaded: LoadedModel, store: ExpertStore, recorder: CalibrationRecorder | None, layer: int, spec: QuantSpec
+) -> list[QuantExpert]:
+    inputs = recorder.inputs(layer) if recorder is not None else [None] * loaded.num_experts
+    out = []
+    for expert, rec in enumerate(inputs):
+        gate_up, down = store.shape.split(store.blob(layer, expert))
+        x, h = (rec.x, rec.h) if rec is not None else (None, None)
+        out.append(quantize_expert(gate_up, down, x, h, spec))
+    return out
+
+
+def _expert_tensors(loaded: LoadedModel, layer: int, expert: int, quant: QuantExpert) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for key, weight in zip(loaded.family.expert_keys(layer, expert), (quant.gate, quant.up, quant.down), strict=True):
+        tensors.update(weight_tensors(key.removesuffix(".weight"), weight))
+    return tensors
+
+
+def _dense_tensors(loaded: LoadedModel) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor of the target, unchanged (disk name and dtype)."""
+    checkpoint, family = loaded.checkpoint, loaded.family
+    return {k: checkpoint.read(k) for k in sorted(checkpoint.entries) if not family.is_expert_key(k)}
+
+
+def _layer_summary(experts: list[QuantExpert], store: ExpertStore, layer: int) -> dict[str, Any]:
+    """α statistics, fallbacks, token-weighted output MSE and weight error of one layer."""
+    alphas_gu = [q.alpha_gate_up for q in experts if q.alpha_gate_up is not None]
+    alphas_down = [q.alpha_down for q in experts if q.alpha_down is not None]
+    tokens = sum(q.tokens for q in experts)
+    summary: dict[str, Any] = {
+        "alpha_gate_up": _stats(alphas_gu),
+        "alpha_down": _stats(alphas_down),
+        "rtn_fallback": sum(q.fallback for q in experts),
+        "calibration_tokens": tokens,
+        "weight_rel_err": _weight_error(experts, store, layer),
+    }
+    for name in ("mse_gate_up", "mse_down"):
+        pairs = [(getattr(q, name), q.tokens) for q in experts if getattr(q, name) is not None]
+        summary[name] = sum(m * t for m, t in pairs) / max(1, sum(t for _, t in pairs)) if pairs else None
+    return summary
+
+
+def _weight_error(experts: list[QuantExpert], store: ExpertStore, layer: int) -> float:
+    """‖W − W_q‖ / ‖W‖ over all projections of the layer's experts."""
+    err = ref = 0.0
+    for expert, quant in enumerate(experts):
+        gate_up, down = store.shape.split(store.blob(layer, expert))
+        approx_gu = torch.cat([quant.gate.dequantize(), quant.up.dequantize()])
+        for weight, approx in ((gate_up.float(), approx_gu), (down.float(), quant.down.dequantize())):
+            err += float((weight - approx).pow(2).sum())
+            ref += float(weight.pow(2).sum())
+    return (err / ref) ** 0.5 if ref else 0.0
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def _report(
+    loaded: LoadedModel, spec: QuantSpec, tensors: dict[str, torch.Tensor], layers: dict[str, Any],
+    tokens: int, cap: int,
+) -> dict[str, Any]:
+    packed = sum(t.numel() * t.element_size() for k, t in tensors.items() if ".weight_" in k and loaded.family.is_expert_key(k))
+    shape = loaded.shape
+    return {
+        "method": spec.method,
+        "model_type": loaded.family.model_type,
+        "source": str(loaded.checkpoint.dir),
+        "num_bits": spec.num_bits,
+        "group_size_requested": spec.group_size,
+        "group_sizes": {"gate_up": spec.group_for(shape.hidden), "down": spec.group_for(shape.intermediate)},
+        "awq_grid": spec.grid if spec.method == "awq" else None,
+        "calibration": {"tokens": tokens, "cap_per_expert": cap},
+        "rtn_fallback_experts": sum(layer["rtn_fallback"] for layer in layers.values()),
+        "awq_scaled_projections": sum(1 for k in tensors if k.endswith(AWQ_SCALE)),
+        "packed_bytes": packed,
+        "target_expert_bytes": len(loaded.moe_layers) * loaded.num_experts * shape.nbytes,
+        "dense_bytes": loaded.dense_bytes,
+        "layers": layers,
+    }
+
+
+def _config(loaded: LoadedModel, spec: QuantSpec, report: dict[str, Any]) -> dict[str, Any]:
+    shape, family = loaded.shape, loaded.family
+    config = dict(loaded.checkpoint.config)
+    gate, up, down = family.proj_names
+    base = r".*\." + re.escape(family.disk_moe) + r"\.experts\.\d+\."
+    gu_group, down_group = report["group_sizes"]["gate_up"], report["group_sizes"]["down"]
+    schemes = {
+        f"{base}({gate}|{up})": (spec.num_bits, gu_group, shape.hidden),
+        f"{base}{down}": (spec.num_bits, down_group, shape.intermediate),
+    }
+    ignore = [k.removesuffix(".weight") for k, e in loaded.checkpoint.entries.items()
+              if k.endswith(".weight") and len(e.shape) == 2 and not family.is_expert_key(k)]
+    config["quantization_config"] = quantization_config(schemes, ignore)
+    config["specter_draft"] = {"method": spec.method, "awq_scale_suffix": AWQ_SCALE, "format_version": 1}
+    return config
+
+
+def _write(
+    loaded: LoadedModel, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], report: dict[str, Any]
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for path in loaded.checkpoint.dir.iterdir():
+        if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, out / path.name)
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,187 @@
+"""The draft at run time: the target's dense parts plus every routed expert resident in int4.
+
+``DraftModel.load`` builds the transformers model with Specter's loader (dense tensors from the
+draft folder, fused expert parameters never materialized), reads every packed expert, and hands
+each MoE layer to ``DraftExperts`` through the loader's ``specter`` experts hook. Forward hooks on
+the routers record, per step and MoE layer, the top-k expert ids and their router
+probabilities: that routing is the draft's prediction of what the target will need.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
+from specter.draft.pack import bits_for, read_weight
+from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
+from specter.models.loader import LoadedModel, build_dense
+from specter.models.routing import router_modules
+
+log = logging.getLogger(__name__)
+
+Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class DraftStep:
+    """One draft forward: fp32 logits ``(1, T, V)`` and per MoE layer ``(ids (T, k), probs (T, k))``."""
+
+    logits: torch.Tensor
+    routing: Routing
+
+
+class DraftExperts:
+    """The experts runner of every draft MoE layer: all experts resident, tokens grouped per expert."""
+
+    def __init__(self, kernels: ExpertKernels):
+        self.kernels = kernels
+
+    def forward(
+        self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """transformers' eager experts loop, with the draft's quantized weights."""
+        final = torch.zeros_like(hidden)
+        for expert in sorted(set(top_k_index.flatten().tolist())):
+            top_k_pos, token_idx = torch.where((top_k_index == expert).T)
+            gate, up = self.kernels.gate_up((layer, expert), hidden[token_idx]).chunk(2, dim=-1)
+            out = self.kernels.down((layer, expert), module.act_fn(gate) * up)
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(hidden.dtype))
+        return final
+
+
+class DraftModel:
+    """The AWQ draft: ``forward(input_ids, cache) -> logits`` and ``last_routing``.
+
+    Attributes:
+        model: the transformers model (dense parts on ``device``).
+        kernels: the resident experts and their compute mode.
+        mode: the compute mode in use (``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly``).
+        timings: seconds per expert per mode measured by ``auto`` (empty when a mode was forced).
+        packed_bytes: bytes of every expert in the packed format (what the device must hold).
+        dense_bytes: bytes of the dense parts.
+        last_routing: layer → (ids LongTensor (T, k), probs FloatTensor (T, k)) of the last forward.
+    """
+
+    def __init__(self, loaded: LoadedModel, kernels: ExpertKernels, device: torch.device, packed_bytes: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.kernels = kernels
+        self.mode = kernels.mode
+        self.device = device
+        self.packed_bytes = packed_bytes
+        self.dense_bytes = loaded.dense_bytes
+        self.timings: dict[str, float] = {}
+        self.last_routing: Routing = {}
+        runner = DraftExperts(kernels)
+        for module in loaded.experts_modules.values():
+            module.__dict__["_specter_runner"] = runner
+        self._hooks = [router.register_forward_hook(self._recorder(layer)) for layer, router in router_modules(loaded.model).items()]
+
+    @classmethod
+    def load(
+        cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto"
+    ) -> DraftModel:
+        """Load a draft folder written by ``specter quantize``.
+
+        Args:
+            draft_dir: the draft folder (config.json with ``quantization_config``, model.safetensors).
+            device: ``cpu``/``cuda``; default cuda when available.
+            mode: ``auto`` | ``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly``.
+        """
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        config = read_config_dict(resolve_model_dir(draft_dir))
+        qconfig = config.get("quantization_config")
+        if not isinstance(qconfig, dict) or qconfig.get("format") != "pack-quantized":
+            raise CheckpointError(f"{draft_dir} is not a Specter draft: config.json has no pack-quantized quantization_config")
+        loaded = build_dense(draft_dir)
+        experts, packed_bytes = read_experts(loaded, qconfig)
+        timings: dict[str, float] = {}
+        if mode == "auto":
+            mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
+        kernels = ExpertKernels(experts, mode, loaded.shape.dtype, device)
+        loaded.model.to(device)
+        draft = cls(loaded, kernels, device, packed_bytes)
+        draft.timings = timings
+        log.info("draft %s: %s, experts %.2f MB packed, %.2f MB in compute form, dense %.2f MB",
+                 loaded.family.model_type, mode, packed_bytes / 1e6, kernels.nbytes / 1e6, draft.dense_bytes / 1e6)
+        return draft
+
+    @property
+    def device_bytes(self) -> int:
+        """Dense parts plus every expert in packed form."""
+        return self.dense_bytes + self.packed_bytes
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        """Cut the KV cache back to its first ``length`` positions (a rejected draft suffix)."""
+        extra = cache.get_seq_length() - length
+        if extra < 0 or length < 0:
+            raise ValueError(f"length: cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+        if extra:
+            cache.crop(-extra)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        """Logits (fp32, ``(1, T, V)``) for ``input_ids`` (1, T) continuing ``cache``; sets ``last_routing``."""
+        self.last_routing = {}
+        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=cache is not None)
+        return out.logits.float()
+
+    def step(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> DraftStep:
+        """One forward with its routing."""
+        logits = self.forward(input_ids, cache)
+        return DraftStep(logits, self.last_routing)
+
+    def describe(self) -> str:
+        return (f"draft {self.loaded.family.model_type} mode={self.mode} packed={self.packed_bytes / 1e6:.2f}MB "
+                f"dense={self.dense_bytes / 1e6:.2f}MB")
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _recorder(self, layer: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            logits, _, indices = output
+            ids = indices.reshape(-1, indices.shape[-1]).long()
+            probs = torch.softmax(logits.reshape(ids.shape[0], -1).float(), dim=-1).gather(1, ids)
+            self.last_routing[layer] = (ids.cpu(), probs.cpu())
+
+        return hook
+
+
+def read_experts(loaded: LoadedModel, qconfig: dict[str, Any]) -> tuple[dict[tuple[int, int], ExpertWeights], int]:
+    """Every packed expert of the draft as quantized weights, and their packed byte count."""
+    checkpoint: Checkpoint = loaded.checkpoint
+    experts: dict[tuple[int, int], ExpertWeights] = {}
+    nbytes = 0
+    for layer in loaded.moe_layers:
+        for expert in range(loaded.num_experts):
+            weights = []
+            for key in loaded.family.expert_keys(layer, expert):
+                module = key.removesuffix(".weight")
+                weights.append(read_weight(module, checkpoint.read, checkpoint.entries.__contains__, bits_for(module, qconfig)))
+                nbytes += sum(e.nbytes for k, e in checkpoint.entries.items() if k.startswith(module + ".weight_"))
+            experts[(layer, expert)] = (weights[0], weights[1], weights[2])
+    _check_shapes(loaded, experts)
+    return experts, nbytes
+
+
+def _check_shapes(loaded: LoadedModel, experts: dict[tuple[int, int], ExpertWeights]) -> None:
+    hidden, inter = loaded.shape.hidden, loaded.shape.intermediate
+    for key, (gate, up, down) in experts.items():
+        if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
+            raise CheckpointError(f"draft expert {key} has shapes {gate.shape}, {up.shape}, {down.shape}; "
+                                  f"the model expects ({inter}, {hidden}) and ({hidden}, {inter})")
+

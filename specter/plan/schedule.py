@@ -1,0 +1,61 @@
+"""Shared scheduling pieces: issuing prefetches in need order, next-use eviction, stale plans."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from specter.experts.link import PREFETCH
+from specter.experts.slots import Key
+
+if TYPE_CHECKING:
+    from specter.experts.executor import OffloadedExperts
+
+NEVER = float("inf")
+
+
+def slots_per_layer(offload: OffloadedExperts) -> int:
+    """M: how many experts of one layer can be resident at once (per-layer groups or an even share)."""
+    layers = offload.store.layers
+    if offload.pool.per_layer:
+        return offload.pool.capacity(layers[0])
+    return max(1, offload.pool.num_slots // len(layers))
+
+
+def prefetch(
+    offload: OffloadedExperts, keys: Iterable[Key], protect: set[Key], next_use: Callable[[Key], float] | None = None,
+) -> list[Key]:
+    """Start moving ``keys`` (most urgent first) that are not resident; returns those issued.
+
+    Without ``next_use``, victims are the policy's choice. With it, a victim must be needed later
+    than the expert it makes room for (furthest next use first), so a prefetch never pushes out
+    something more urgent than itself; issuing stops at the first key that cannot be placed.
+    """
+    issued: list[Key] = []
+    for key in keys:
+        if key in offload.pool.where:
+            continue
+        choose = None
+        if next_use is not None:
+            candidates = offload.pool.evictable(key[0], protect)
+            victim = max(candidates, key=next_use, default=None)
+            empty = any(offload.pool.owner[s] is None for s in offload.pool.group_slots[offload.pool.group_of(key[0])])
+            if not empty and (victim is None or next_use(victim) <= next_use(key)):
+                break
+            choose = _fixed(victim)
+        if offload.fetch(key, PREFETCH, protect, choose) is None:
+            break
+        issued.append(key)
+    return issued
+
+
+def _fixed(victim: Key | None) -> Callable[[list[Key]], Key]:
+    def choose(candidates: list[Key]) -> Key:
+        return victim if victim in candidates else candidates[0]
+
+    return choose
+
+
+def cancel_queued(offload: OffloadedExperts, keys: Iterable[Key]) -> int:
+    """Cancel prefetches of ``keys`` that have not started moving; returns how many."""
+    return sum(offload.cancel(key) for key in list(keys))

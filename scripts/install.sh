@@ -6,7 +6,7 @@ if ! python3 -c "import torch" 2>/dev/null; then
   # Pinned so pip takes the CPU wheel on disk instead of a multi-GB CUDA build.
   python3 -m pip install --quiet "torch==2.13.0"
 fi
-if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib" 2>/dev/null \
+if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy" 2>/dev/null \
    || [ pyproject.toml -nt .install-stamp ]; then
   python3 -m pip install --quiet -e ".[dev]"
   touch .install-stamp

@@ -39,6 +39,7 @@ class _Tally:
     """Per-request accumulators the round updates."""
 
     accepted: list[int] = field(default_factory=list)
+    drafted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     hit: int = 0
@@ -79,6 +80,7 @@ class Engine:
         logits = self.target.forward(torch.tensor([prompt_ids]), tcache)
         seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
         commits = [time.perf_counter()]
+        after_prefill = self.target.offload.counters.snapshot()
         dstate = self._draft_prefill(prompt_ids)
         round_id = 0
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
@@ -88,7 +90,9 @@ class Engine:
             commits += [time.perf_counter()] * len(new[:remaining])
             round_id += 1
         tokens = seq[len(prompt_ids):]
-        return tokens, self._stats(before, len(prompt_ids), t0, commits, tally)
+        stats = self._stats(before, len(prompt_ids), t0, commits, tally)
+        stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
+        return tokens, stats
 
     def generate_fresh(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -140,6 +144,7 @@ class Engine:
         self.policy.end_round(round_id, n, true)
         if k:
             tally.accepted.append(n)
+            tally.drafted += len(drafts)
             _score(tally, predicted, true)
         return drafts[:n] + [nxt]
 
@@ -195,6 +200,7 @@ class Engine:
                 "policy": self.policy.name,
                 "window": self.window,
                 "rounds": len(tally.accepted),
+                "drafted": tally.drafted,
                 "accepted_hist": hist,
                 "mean_accepted": sum(tally.accepted) / len(tally.accepted) if tally.accepted else 0.0,
                 "recall": tally.hit / tally.true if tally.true else 0.0,

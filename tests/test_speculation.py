@@ -1,0 +1,153 @@
+"""Speculation is lossless for every policy, window and budget; sampling keeps the target's law."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.draft.resident import ResidentDraft
+from specter.engine import Engine
+from specter.plan import DRAFT_POLICIES, POLICIES
+from specter.target import OffloadedTarget
+from specter.verify.accept import accept_sampled
+
+PROMPT = [5, 99, 17, 42, 8, 63, 21]
+NEW = 14
+LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
+
+
+def _noisy_copy(folder, dst, scale=0.15, seed=1):
+    """A draft that mostly agrees with the target: its weights with relative noise added."""
+    shutil.copytree(folder, dst)
+    torch.manual_seed(seed)
+    tensors = load_file(str(dst / "model.safetensors"))
+    noisy = {k: v + scale * v.std() * torch.randn_like(v) if v.dim() == 2 else v for k, v in tensors.items()}
+    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def setup(request, tiny_dir, tmp_path_factory):
+    folder = tiny_dir(request.param)
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    draft = ResidentDraft(_noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d"))
+    return folder, ref.config.num_experts_per_tok, out[0, len(PROMPT):].tolist(), draft
+
+
+def _cases():
+    for policy in sorted(POLICIES):
+        for k in (1, 4, 8) if policy in DRAFT_POLICIES else (0,):
+            yield policy, k
+
+
+@pytest.mark.parametrize(("policy", "window"), list(_cases()))
+def test_greedy_is_token_identical_for_every_policy_window_budget(setup, policy, window):
+    folder, top_k, expected, draft = setup
+    for budget in (SlotConfig(experts=top_k), SlotConfig(fraction=0.5)):
+        target = OffloadedTarget.load(folder, budget, LINK, policy=policy)
+        try:
+            tokens, stats = Engine(target, draft if window else None, window).generate_fresh(PROMPT, NEW)
+        finally:
+            target.close()
+        assert tokens == expected, (policy, window, budget)
+        if window:
+            assert stats.extra["rounds"] > 0 and 0 <= stats.extra["recall"] <= 1
+
+
+def test_draft_equal_to_target_accepts_every_draft_token(setup):
+    folder, _, expected, _ = setup
+    same = ResidentDraft(folder)
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy="specter")
+    try:
+        tokens, stats = Engine(target, same, 4).generate_fresh(PROMPT, NEW)
+    finally:
+        target.close()
+    assert tokens == expected
+    assert stats.extra["drafted"] > 0
+    assert sum(i * c for i, c in enumerate(stats.extra["accepted_hist"])) == stats.extra["drafted"]
+
+
+def test_oracle_has_no_demand_misses_when_a_verify_pass_fits(setup):
+    folder, top_k, expected, draft = setup
+    window = 1
+    per_layer = (window + 1) * top_k  # a verify pass touches at most this many experts per layer
+    target = OffloadedTarget.load(folder, SlotConfig(experts=per_layer, per_layer=True), LINK, policy="oracle")
+    try:
+        tokens, stats = Engine(target, draft, window).generate_fresh(PROMPT, NEW)
+    finally:
+        target.close()
+    assert tokens == expected
+    assert stats.extra["decode_misses"] == 0
+    # Not vacuous: demand-lru in the same budget does miss.
+    target = OffloadedTarget.load(folder, SlotConfig(experts=per_layer, per_layer=True), LINK, policy="demand-lru")
+    try:
+        _, lru = Engine(target).generate_fresh(PROMPT, NEW)
+    finally:
+        target.close()
+    assert lru.extra["decode_misses"] > 0
+
+
+def test_rejection_sampling_first_token_follows_the_target_exactly():
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, trials = 6, 3, 30000
+    p = torch.distributions.Dirichlet(torch.ones(vocab)).sample((k + 1,))
+    q = torch.distributions.Dirichlet(torch.ones(vocab)).sample((k,))
+    counts = torch.zeros(vocab)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+        n, nxt = accept_sampled(p, q, drafts, gen)
+        first = drafts[0] if n > 0 else nxt
+        counts[first] += 1
+    assert _pvalue(counts, p[0]) > 1e-3
+    # A wrong rule (always accept) is detected by the same test.
+    wrong = torch.bincount(torch.multinomial(q[0], trials, replacement=True, generator=gen), minlength=vocab)
+    assert _pvalue(wrong, q[0] * 0 + p[0]) < 1e-6
+
+
+def test_sampled_speculation_matches_the_targets_own_sampling(tiny_dir, tmp_path):
+    """Joint law of the first two new tokens (top-k 4) against the exact law from transformers."""
+    folder = tiny_dir("mixtral")
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    sampling = dict(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = _warped(ref(torch.tensor([PROMPT])).logits[0, -1], **sampling)
+        joint = {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = _warped(ref(torch.tensor([PROMPT + [a]])).logits[0, -1], **sampling)
+            for b in torch.nonzero(p2).flatten().tolist():
+                joint[(a, b)] = float(p1[a] * p2[b])
+    draft = ResidentDraft(_noisy_copy(folder, tmp_path / "d", scale=0.4))
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy="specter")
+    cells = sorted(joint)
+    counts = dict.fromkeys(cells, 0)
+    trials = 400
+    try:
+        engine = Engine(target, draft, 2)
+        for seed in range(trials):
+            tokens, _ = engine.generate(PROMPT, 2, SamplingConfig(seed=seed, **sampling))
+            counts[tuple(tokens)] += 1
+    finally:
+        target.close()
+    observed = torch.tensor([counts[c] for c in cells])
+    assert observed.sum() == trials
+    assert _pvalue(observed, torch.tensor([joint[c] for c in cells])) > 1e-3
+
+
+def _pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit of counts against a distribution."""
+    obs = observed.double()
+    exp = probs.double() / probs.double().sum() * obs.sum()
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def _warped(logits, temperature, top_k):
+    from specter.verify.sampling import probabilities
+
+    return probabilities(logits.unsqueeze(0), SamplingConfig(temperature=temperature, top_k=top_k))[0]

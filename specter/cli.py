@@ -15,9 +15,9 @@ from typing import NoReturn
 import torch
 
 from specter.assets import DEFAULT_MODEL
-from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.config import LinkConfig, SamplingConfig, SlotConfig, parse_bytes
 from specter.models.checkpoint import CheckpointError
-from specter.plan import POLICIES
+from specter.plan import DRAFT_POLICIES, POLICIES
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -43,6 +43,13 @@ def _link(text: str) -> LinkConfig:
         return LinkConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("link: ")) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -71,9 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="generate text on an offloaded target")
     gen.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
+    gen.add_argument("--draft", default=None,
+                     help="draft folder: an AWQ draft from `specter quantize` or any full-precision checkpoint")
     gen.add_argument("--policy", default="demand-lru", choices=sorted(POLICIES), help="prefetch policy")
-    gen.add_argument("--budget", type=_fraction, default=SlotConfig(fraction=0.5),
-                     help="device expert slots as a fraction of all routed experts, 0 < F <= 1 (default 0.5)")
+    gen.add_argument("--window", type=int, default=None,
+                     help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies)")
+    gen.add_argument("--budget", type=_fraction, default=None,
+                     help="device expert slots as a fraction of all routed experts, 0 < F <= 1 "
+                          "(default 0.5 on a CPU; from --device-memory or the GPU's free memory on a GPU)")
+    gen.add_argument("--device-memory", type=_size, default=None,
+                     help="plan this much device memory (e.g. 24GiB): dense parts, draft, KV, then slots")
     gen.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
     gen.add_argument("--link", type=_link, default=None,
                      help="cuda | sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
@@ -91,23 +105,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specter.generation import generate
-    from specter.target import OffloadedTarget
+def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    needs_draft = args.policy in DRAFT_POLICIES
+    window = args.window if args.window is not None else (POLICIES[args.policy].default_window if args.draft else 0)
+    if needs_draft and args.draft is None:
+        parser.error(f"argument --draft: policy {args.policy!r} needs a draft model (--draft DIR)")
+    if not 0 <= window <= 64:
+        parser.error(f"argument --window: K must be in 0..64, got {window}")
+    if window > 0 and args.draft is None:
+        parser.error("argument --window: K > 0 needs a draft model (--draft DIR)")
+    if needs_draft and window == 0:
+        parser.error(f"argument --window: policy {args.policy!r} drafts, so K must be >= 1")
+    return window
 
+
+def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingConfig:
     try:
-        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as exc:
-        flag = str(exc).split(":")[0].replace("_", "-")
-        parser.error(f"argument --{flag}: {str(exc).split(': ', 1)[1]}")
+        field, reason = str(exc).split(": ", 1)
+        parser.error(f"argument --{field.replace('_', '-')}: {reason}")
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specter.draft.loading import check_draft_matches, load_draft
+    from specter.engine import Engine
+    from specter.models.checkpoint import read_config_dict, resolve_model_dir
+    from specter.target import MemoryRequest, OffloadedTarget
+
+    sampling = _sampling(args, parser)
+    window = _window(args, parser)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: must not be empty")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     link = args.link or (LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
-    budget = SlotConfig(fraction=args.budget.fraction, per_layer=args.per_layer)
-    target = OffloadedTarget.load(
-        args.model, budget, link, args.policy, device=args.device, dtype=_DTYPES.get(args.dtype or "")
-    )
+    draft = None
+    if args.draft is not None:
+        check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
+                            read_config_dict(resolve_model_dir(args.model)))
+        draft = load_draft(args.draft, device=args.device)
+    budget = None
+    if args.budget is not None or (args.device_memory is None and not cuda):
+        budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
+    memory = MemoryRequest(args.device_memory, getattr(draft, "device_bytes", 0), window=window)
+    target = OffloadedTarget.load(args.model, budget, link, args.policy, device=args.device,
+                                  dtype=_DTYPES.get(args.dtype or ""), memory=memory)
+    if target.memory_plan is not None:
+        print(target.memory_plan.describe(), file=sys.stderr)
     try:
         tokenizer = target.tokenizer
         if args.prompt is not None:
@@ -121,7 +165,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument --prompt-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})")
         eos = getattr(target.model.generation_config, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) else eos
-        tokens, stats = generate(target, prompt_ids, args.max_new_tokens, sampling, eos_token_id=eos)
+        engine = Engine(target, draft, window)
+        tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=eos)
     finally:
         target.close()
     text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
@@ -129,10 +174,12 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats.to_dict()}))
     else:
         print((args.prompt or "") + text if tokenizer is not None else " ".join(map(str, tokens)))
+        extra = stats.extra
+        spec = f", accepted {extra['mean_accepted']:.2f}/{window}, recall {extra['recall']:.2f}" if window else ""
         print(
-            f"[{stats.new_tokens} tokens, TPOT {stats.tpot_s * 1e3:.2f} ms, hit rate {stats.hit_rate:.2f} "
-            f"({stats.hits} hits, {stats.misses} misses), {stats.bytes_moved / 1e6:.1f} MB moved, "
-            f"link busy {stats.link_busy_fraction:.0%}]",
+            f"[{args.policy}: {stats.new_tokens} tokens, TPOT {stats.tpot_s * 1e3:.2f} ms, hit rate "
+            f"{stats.hit_rate:.2f} ({stats.hits} hits, {stats.inflight} in flight, {stats.misses} misses), "
+            f"{stats.bytes_moved / 1e6:.1f} MB moved, link busy {stats.link_busy_fraction:.0%}{spec}]",
             file=sys.stderr,
         )
     return 0

@@ -4,6 +4,7 @@ reach the device through a limited pool of slots."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from specter.config import LinkConfig, SlotConfig
 from specter.experts.executor import OffloadedExperts
 from specter.experts.link import CudaLink, Link, SimulatedLink
 from specter.experts.slots import SlotPool
+from specter.memory import MemoryPlan, plan_memory
 from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
@@ -29,6 +31,7 @@ class OffloadedTarget:
         self.offload = offload
         self.device = device
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.memory_plan: MemoryPlan | None = None
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = offload
         offload.policy.attach_model(self.model)
@@ -37,27 +40,33 @@ class OffloadedTarget:
     def load(
         cls,
         model_dir: str | Path,
-        budget: SlotConfig,
+        budget: SlotConfig | None,
         link: LinkConfig | Link,
         policy: str | Policy = "demand-lru",
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         timeout: float = 60.0,
+        memory: MemoryRequest | None = None,
     ) -> OffloadedTarget:
         """Load a checkpoint folder into an offloaded target.
 
         Args:
             model_dir: a Hugging Face checkpoint folder (or HF cache folder).
-            budget: the device's expert budget.
+            budget: the device's expert budget; None to size it from ``memory``.
             link: how experts move (a config, or a ready link to share).
             policy: a policy name or instance.
             device: ``cuda``/``cpu``; default cuda when available.
             dtype: compute dtype; default the checkpoint's.
             timeout: seconds before a transfer that never lands is an error.
+            memory: device memory to plan (used when ``budget`` is None).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         policy = make_policy(policy) if isinstance(policy, str) else policy
         loaded = build_dense(model_dir, dtype)
+        plan = None
+        if budget is None:
+            plan = _plan(memory or MemoryRequest(), loaded, device)
+            budget = SlotConfig(experts=plan.slots)
         groups = _groups(budget, loaded)
         pin = device.type == "cuda"
         store = load_store(loaded, pin=pin)
@@ -68,6 +77,7 @@ class OffloadedTarget:
         offload = OffloadedExperts(store, pool, link, policy, timeout=timeout)
         offload.prefill_slots()
         target = cls(loaded, offload, device)
+        target.memory_plan = plan
         target.tokenizer = _load_tokenizer(loaded.checkpoint.dir)
         log.info(
             "target %s: %d MoE layers x %d experts (%.1f MB each), %d slots (%s), link %s",
@@ -100,6 +110,25 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
     if extra:
         cache.crop(-extra)
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """What to plan device memory for: its size (None: the GPU's free memory) and the rest."""
+
+    device_bytes: int | None = None
+    draft_bytes: int = 0
+    max_context: int = 2048
+    window: int = 0
+
+
+def _plan(request: MemoryRequest, loaded: LoadedModel, device: torch.device) -> MemoryPlan:
+    size = request.device_bytes
+    if size is None:
+        if device.type != "cuda":
+            raise ValueError("device-memory: give --budget or --device-memory on a CPU (no GPU to measure)")
+        size = torch.cuda.mem_get_info(device)[0]
+    return plan_memory(size, loaded, request.draft_bytes, request.max_context, request.window)
 
 
 def _groups(budget: SlotConfig, loaded: LoadedModel) -> dict[int, int]:

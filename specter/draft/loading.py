@@ -1,0 +1,31 @@
+"""Open a draft folder: a packed AWQ draft (``specter quantize``), or any full-precision checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specter.models.checkpoint import read_config_dict, resolve_model_dir
+
+
+def load_draft(draft_dir: str | Path, device: str | torch.device | None = None):  # type: ignore[no-untyped-def]
+    """A ``DraftModel`` for a quantized draft folder, else a ``ResidentDraft``."""
+    folder = resolve_model_dir(draft_dir)
+    if "quantization_config" in read_config_dict(folder):
+        from specter.draft.runner import DraftModel
+
+        return DraftModel.load(folder, device=device)
+    from specter.draft.resident import ResidentDraft
+
+    return ResidentDraft(folder, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def check_draft_matches(draft_config: dict, target_config: dict) -> None:
+    """A draft must share the target's vocabulary, layers, experts and hidden size."""
+    fields = ("vocab_size", "num_hidden_layers", "hidden_size", "num_experts_per_tok")
+    experts = ("num_local_experts", "num_experts", "n_routed_experts")
+    wrong = [f"{f}: draft {draft_config.get(f)} vs target {target_config.get(f)}"
+             for f in fields + experts if draft_config.get(f) != target_config.get(f)]
+    if wrong:
+        raise ValueError("draft: does not match the target (" + "; ".join(wrong) + ")")

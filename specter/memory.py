@@ -46,11 +46,10 @@ def human_bytes(n: int) -> str:
 
 
 def kv_bytes_per_token(config: PretrainedConfig, itemsize: int) -> int:
-    """Key + value bytes one position costs across all layers (MLA caches full per-head k and v)."""
+    """Key + value bytes one position costs across all layers (MLA caches its latent)."""
     layers = config.num_hidden_layers
-    if getattr(config, "kv_lora_rank", None):  # DeepSeek MLA, as transformers caches it
-        heads = config.num_attention_heads
-        per_layer = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    if getattr(config, "kv_lora_rank", None):  # DeepSeek MLA: transformers caches the compressed latent
+        per_layer = config.kv_lora_rank + config.qk_rope_head_dim
     else:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -16,6 +16,7 @@ import torch
 
 from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, parse_bytes
+from specter.draft.cli import add_quantize_command, run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.plan import DRAFT_POLICIES, POLICIES
 
@@ -102,7 +103,64 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
     gen.add_argument("--json", action="store_true", help="end with one JSON line: tokens, text, stats")
+    _add_bench(commands)
+    add_quantize_command(commands)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from specter.profiles import PROFILES
+
+    bench = commands.add_parser("bench", help="every policy side by side on the same prompts")
+    bench.add_argument("--model", default=str(DEFAULT_MODEL))
+    bench.add_argument("--draft", default=None, help="draft folder (default: the model's shipped AWQ draft)")
+    bench.add_argument("--prompts", default=None, help="JSONL with a 'prompt' per line (default: shipped held-out)")
+    bench.add_argument("--num-prompts", type=_positive_int, default=20)
+    bench.add_argument("--new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--profiles", default="mixtral-pcie4,dsv2lite-pcie4",
+                       help=f"comma-separated, from: {', '.join(PROFILES)}")
+    bench.add_argument("--policies", default=",".join(POLICIES))
+    bench.add_argument("--budget", type=_fraction, default=SlotConfig(fraction=0.5))
+    bench.add_argument("--per-layer", action="store_true")
+    bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
+                       help="override a policy's K, e.g. --window specter=6 (repeatable)")
+    bench.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens (a few minutes)")
+    bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from specter import bench
+    from specter.profiles import PROFILES
+    from specter.prompts import load_prompts
+
+    profiles = [p for p in args.profiles.split(",") if p]
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown:
+        parser.error(f"argument --profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
+    policies = [p for p in args.policies.split(",") if p]
+    if [p for p in policies if p not in POLICIES]:
+        parser.error(f"argument --policies: unknown {[p for p in policies if p not in POLICIES]}")
+    windows: dict[str, int] = {}
+    for item in args.window:
+        name, _, k = item.partition("=")
+        if name not in POLICIES or not k.isdigit() or not 0 < int(k) <= 64:
+            parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
+        windows[name] = int(k)
+    count, tokens = (4, 32) if args.quick else (args.num_prompts, args.new_tokens)
+    prompts = load_prompts(args.model, args.prompts, count)
+    draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
+    config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, args.budget.fraction,
+                               args.per_layer, tokens)
+    results = bench.run(config)
+    print(bench.table(results))
+    print()
+    for claim, ok, numbers in bench.bar(results):
+        print(f"{'PASS' if ok else 'FAIL'}  {claim}: {numbers}")
+    for path in bench.save(results, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
 
 
 def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -192,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args, parser)
+        if args.command == "bench":
+            return _bench(args, parser)
+        if args.command == "quantize":
+            return run_quantize(args)
     except (CheckpointError, ValueError) as exc:
         print(f"specter: error: {exc}", file=sys.stderr)
         return 1

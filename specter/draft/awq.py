@@ -140,14 +140,18 @@ def quantize_expert(
     """
     two_i, hidden = gate_up.shape
     if down.shape != (hidden, two_i // 2):
-        raise ValueError(f"down has shape {tuple(down.shape)}, expected {(hidden, two_i // 2)} for gate_up {(two_i, hidden)}")
+        raise ValueError(
+            f"down has shape {tuple(down.shape)}, expected {(hidden, two_i // 2)} for gate_up {(two_i, hidden)}"
+        )
     g_in, g_mid = spec.group_for(hidden), spec.group_for(two_i // 2)
     if x is None or h is None or x.shape[0] == 0:
         return _round_to_nearest(gate_up, down, spec, fallback=spec.method == "awq")
     if spec.method != "awq":
         expert = _round_to_nearest(gate_up, down, spec, fallback=False)
         expert.tokens = int(x.shape[0])
-        expert.mse_gate_up = output_error(gate_up, torch.cat([expert.gate.dequantize(), expert.up.dequantize()]), x)
+        expert.mse_gate_up = output_error(
+            gate_up, torch.cat([expert.gate.dequantize(), expert.up.dequantize()]), x
+        )
         expert.mse_down = output_error(down, expert.down.dequantize(), h)
         return expert
     alpha_gu, gate_up_q, mse_gu = search_scale(gate_up, x, spec, g_in)
@@ -156,7 +160,9 @@ def quantize_expert(
     return QuantExpert(gate, up, down_q, alpha_gu, alpha_down, False, int(x.shape[0]), mse_gu, mse_down)
 
 
-def _round_to_nearest(gate_up: torch.Tensor, down: torch.Tensor, spec: QuantSpec, fallback: bool) -> QuantExpert:
+def _round_to_nearest(
+    gate_up: torch.Tensor, down: torch.Tensor, spec: QuantSpec, fallback: bool
+) -> QuantExpert:
     two_i, hidden = gate_up.shape
     gate_up_q = quantize_weight(gate_up, spec.num_bits, spec.group_for(hidden), spec.scale_dtype)
     down_q = quantize_weight(down, spec.num_bits, spec.group_for(two_i // 2), spec.scale_dtype)
@@ -187,14 +193,16 @@ def quantize_experts(
     if gate_up.dim() == 2:
         gate_up, down = gate_up.unsqueeze(0), down.unsqueeze(0)
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
-        raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not (E, 2I, H) / (E, H, I)")
+        raise ValueError(
+            f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not (E, 2I, H) / (E, H, I)"
+        )
     spec = QuantSpec(method, group_size, grid, scale_dtype or gate_up.dtype)
     experts = gate_up.shape[0]
     if inputs is not None and len(inputs) != experts:
         raise ValueError(f"inputs has {len(inputs)} entries for {experts} experts")
     out = []
     for e in range(experts):
-        x, h = (inputs[e] if inputs is not None and inputs[e] is not None else (None, None))  # type: ignore[misc]
+        x, h = inputs[e] if inputs is not None and inputs[e] is not None else (None, None)  # type: ignore[misc]
         out.append(quantize_expert(gate_up[e], down[e], x, h, spec))
     return out
 
@@ -205,9 +213,12 @@ def split_rows(quant: QuantWeight, rows: int) -> tuple[QuantWeight, QuantWeight]
 
     def part(sl: slice) -> QuantWeight:
         return QuantWeight(
-            quant.codes[sl].clone(), quant.scale[sl].clone(), quant.zero[sl].clone(),
-            quant.num_bits, quant.group_size, quant.awq_scale,
+            quant.codes[sl].clone(),
+            quant.scale[sl].clone(),
+            quant.zero[sl].clone(),
+            quant.num_bits,
+            quant.group_size,
+            quant.awq_scale,
         )
 
     return part(slice(0, rows)), part(slice(rows, None))
-

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,11 @@ class CalibrationRecorder:
         self._res: dict[tuple[int, int], _Reservoir] = {}
 
     def forward(
-        self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        self,
+        module: Any,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """Same result as transformers' eager experts loop; records each expert's inputs."""
@@ -134,7 +139,9 @@ def record_expert_inputs(
         raise ValueError("token_ids (calibration tokens) is empty")
     vocab = int(loaded.config.vocab_size)
     if min(token_ids) < 0 or max(token_ids) >= vocab:
-        raise ValueError(f"token_ids must lie in [0, {vocab}); got ids in [{min(token_ids)}, {max(token_ids)}]")
+        raise ValueError(
+            f"token_ids must lie in [0, {vocab}); got ids in [{min(token_ids)}, {max(token_ids)}]"
+        )
     seq_len = min(seq_len, int(getattr(loaded.config, "max_position_embeddings", seq_len) or seq_len))
     recorder = CalibrationRecorder(store, cap, seed)
     for module in loaded.experts_modules.values():
@@ -152,7 +159,9 @@ def record_expert_inputs(
     return recorder
 
 
-def calibration_ids(model_dir: str | Path, calib_text: str | Path | None, calib_tokens: int) -> list[int] | None:
+def calibration_ids(
+    model_dir: str | Path, calib_text: str | Path | None, calib_tokens: int
+) -> list[int] | None:
     """Token ids of the calibration text (at most ``calib_tokens``), with the model's tokenizer.
 
     ``calib_text`` None means the packaged ``specter/assets/prompts/calibration.txt`` when it
@@ -171,7 +180,9 @@ def calibration_ids(model_dir: str | Path, calib_text: str | Path | None, calib_
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises OSError, ValueError, … for a missing tokenizer
-        raise ValueError(f"calib_text: {model_dir} has no usable tokenizer to encode {path.name} ({exc})") from exc
+        raise ValueError(
+            f"calib_text: {model_dir} has no usable tokenizer to encode {path.name} ({exc})"
+        ) from exc
     ids = tokenizer(path.read_text(encoding="utf-8"))["input_ids"][:calib_tokens]
     if len(ids) < calib_tokens:
         log.warning("calibration text %s gives only %d tokens (%d asked)", path, len(ids), calib_tokens)

@@ -41,12 +41,22 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
     cmd = subparsers.add_parser("quantize", help="quantize a target's routed experts into a draft folder")
     cmd.add_argument("--model", required=True, help="target checkpoint folder")
     cmd.add_argument("--out", required=True, help="draft folder to write")
-    cmd.add_argument("--method", choices=METHODS, default="awq",
-                     help="awq (int4, activation-aware), rtn (int4 round-to-nearest), int8 (default awq)")
+    cmd.add_argument(
+        "--method",
+        choices=METHODS,
+        default="awq",
+        help="awq (int4, activation-aware), rtn (int4 round-to-nearest), int8 (default awq)",
+    )
     cmd.add_argument("--group-size", type=_positive_int, default=128, help="int4 group size (default 128)")
-    cmd.add_argument("--calib-file", type=_existing_file, default=None,
-                     help="calibration text (default: the packaged calibration.txt)")
-    cmd.add_argument("--calib-tokens", type=_positive_int, default=4096, help="calibration tokens (default 4096)")
+    cmd.add_argument(
+        "--calib-file",
+        type=_existing_file,
+        default=None,
+        help="calibration text (default: the packaged calibration.txt)",
+    )
+    cmd.add_argument(
+        "--calib-tokens", type=_positive_int, default=4096, help="calibration tokens (default 4096)"
+    )
     return cmd
 
 
@@ -59,15 +69,24 @@ def run_quantize(args: argparse.Namespace) -> int:
     _show_progress()
     try:
         report = quantize_model(
-            args.model, args.out, method=args.method, calib_text=args.calib_file,
-            calib_tokens=args.calib_tokens, group_size=args.group_size, progress=True,
+            args.model,
+            args.out,
+            method=args.method,
+            calib_text=args.calib_file,
+            calib_tokens=args.calib_tokens,
+            group_size=args.group_size,
+            progress=True,
         )
     except (CheckpointError, ValueError) as exc:  # UnsupportedArchitectureError is a ValueError
         return _fail(str(exc))
     groups = report["group_sizes"]
+    scheme = (
+        "int8 per-channel"
+        if report["method"] == "int8"
+        else (f"{report['method']} int4, group {groups['gate_up']}/{groups['down']} (gate_up/down)")
+    )
     print(
-        f"wrote {args.out}: {report['method']} int{report['num_bits']}, group {groups['gate_up']}/{groups['down']} "
-        f"(gate_up/down), {report['packed_bytes'] / 1e6:.2f} MB packed experts "
+        f"wrote {args.out}: {scheme}, {report['packed_bytes'] / 1e6:.2f} MB packed experts "
         f"(target {report['target_expert_bytes'] / 1e6:.2f} MB), {report['calibration']['tokens']} calibration tokens, "
         f"{report['rtn_fallback_experts']} RTN fallbacks"
     )

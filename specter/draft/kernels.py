@@ -46,15 +46,24 @@ def fuse_rows(top: QuantWeight, bottom: QuantWeight) -> QuantWeight:
     ):
         raise ValueError("gate and up must share one AWQ input scale (they see the same input)")
     return QuantWeight(
-        torch.cat([top.codes, bottom.codes]), torch.cat([top.scale, bottom.scale]),
-        torch.cat([top.zero, bottom.zero]), top.num_bits, top.group_size, top.awq_scale,
+        torch.cat([top.codes, bottom.codes]),
+        torch.cat([top.scale, bottom.scale]),
+        torch.cat([top.zero, bottom.zero]),
+        top.num_bits,
+        top.group_size,
+        top.awq_scale,
     )
 
 
 def kernel_accepts(quant: QuantWeight) -> bool:
     """Whether the CPU int4 kernel takes this weight's shape and grouping."""
     out, inp = quant.shape
-    return quant.num_bits == 4 and out % 16 == 0 and quant.group_size in _KERNEL_GROUPS and inp % quant.group_size == 0
+    return (
+        quant.num_bits == 4
+        and out % 16 == 0
+        and quant.group_size in _KERNEL_GROUPS
+        and inp % quant.group_size == 0
+    )
 
 
 class _Dense:
@@ -86,7 +95,9 @@ class _Int4:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.inv_awq is not None:
             x = x * self.inv_awq
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group, self.scale_zero
+        )
 
 
 class _OnTheFly:
@@ -120,7 +131,9 @@ class ExpertKernels:
         device: where the weights live.
     """
 
-    def __init__(self, experts: dict[Key, ExpertWeights], mode: str, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, experts: dict[Key, ExpertWeights], mode: str, dtype: torch.dtype, device: torch.device
+    ):
         if mode not in MODES or mode == "auto":
             raise ValueError(f"mode must be one of {', '.join(MODES[1:])}; got {mode!r}")
         if mode == "int4-kernel" and device.type != "cpu":
@@ -133,8 +146,10 @@ class ExpertKernels:
             self._gate_up[key] = self._make(fuse_rows(gate, up), dtype, device)
             self._down[key] = self._make(down, dtype, device)
         if self.kernel_fallbacks:
-            log.info("int4-kernel: %d projections outside the kernel's shapes use the dequantized cache",
-                     self.kernel_fallbacks)
+            log.info(
+                "int4-kernel: %d projections outside the kernel's shapes use the dequantized cache",
+                self.kernel_fallbacks,
+            )
 
     def _make(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device) -> Projection:
         if self.mode == "dequant-on-the-fly":
@@ -169,13 +184,23 @@ def time_modes(
     out: dict[str, float] = {}
     with torch.inference_mode():
         for mode in modes:
-            kernels = ExpertKernels({(0, 0): expert}, mode, dtype, device)
-            out[mode] = _median_time(lambda k=kernels: k.down((0, 0), k.gate_up((0, 0), x)[:, : expert[0].shape[0]]),
-                                     repeat, device)
+            out[mode] = _median_time(
+                _one_expert(ExpertKernels({(0, 0): expert}, mode, dtype, device), x), repeat, device
+            )
     return out
 
 
-def choose_mode(expert: ExpertWeights, dtype: torch.dtype, device: torch.device) -> tuple[str, dict[str, float]]:
+def _one_expert(kernels: ExpertKernels, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        gate, up = kernels.gate_up((0, 0), x).chunk(2, dim=-1)
+        return kernels.down((0, 0), gate * up)
+
+    return run
+
+
+def choose_mode(
+    expert: ExpertWeights, dtype: torch.dtype, device: torch.device
+) -> tuple[str, dict[str, float]]:
     """The faster of ``int4-kernel`` and ``dequant-cache`` for one decode token, with the timings."""
     if device.type != "cpu":
         return "dequant-cache", {}

@@ -27,14 +27,16 @@ import torch
 from specter.draft.qweight import QuantWeight
 
 AWQ_SCALE = "weight_awq_scale"
-_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
 
 def pack_int32(values: torch.Tensor, num_bits: int, dim: int) -> torch.Tensor:
     """Pack signed ``num_bits`` codes (int8, 2D) into int32 words along ``dim`` (0 or 1)."""
     _check_bits(num_bits)
     if values.dtype != torch.int8 or values.dim() != 2:
-        raise ValueError(f"values must be a 2D int8 tensor, got {values.dtype} of shape {tuple(values.shape)}")
+        raise ValueError(
+            f"values must be a 2D int8 tensor, got {values.dtype} of shape {tuple(values.shape)}"
+        )
     per_word = 32 // num_bits
     unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
     if unsigned.numel() and (int(unsigned.min()) < 0 or int(unsigned.max()) >= 1 << num_bits):
@@ -53,7 +55,9 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int) -> to
     """Inverse of ``pack_int32``: ``size`` signed int8 codes per row (``dim`` = 1) or column."""
     _check_bits(num_bits)
     if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise ValueError(f"packed must be a 2D int32 tensor, got {packed.dtype} of shape {tuple(packed.shape)}")
+        raise ValueError(
+            f"packed must be a 2D int32 tensor, got {packed.dtype} of shape {tuple(packed.shape)}"
+        )
     per_word = 32 // num_bits
     words = (packed if dim == 1 else packed.T).to(torch.int64) & 0xFFFFFFFF
     if words.shape[1] * per_word < size:
@@ -83,14 +87,16 @@ def read_weight(
     module: str, read: Callable[[str], torch.Tensor], has: Callable[[str], bool], num_bits: int
 ) -> QuantWeight:
     """Rebuild a ``QuantWeight`` from its on-disk tensors (``read(key)`` returns one tensor)."""
-    missing = [f"{module}.{s}" for s in _SUFFIXES if not has(f"{module}.{s}")]
+    missing = [f"{module}.{s}" for s in PACKED_SUFFIXES if not has(f"{module}.{s}")]
     if missing:
         raise ValueError(f"packed weight {module!r} is incomplete: missing {missing}")
     out, inp = (int(v) for v in read(f"{module}.weight_shape").tolist())
     scale = read(f"{module}.weight_scale")
     groups = scale.shape[1] if scale.dim() == 2 else 0
     if scale.shape[0] != out or groups < 1 or inp % groups:
-        raise ValueError(f"{module}.weight_scale has shape {tuple(scale.shape)}, which does not fit weight_shape {[out, inp]}")
+        raise ValueError(
+            f"{module}.weight_scale has shape {tuple(scale.shape)}, which does not fit weight_shape {[out, inp]}"
+        )
     codes = unpack_int32(read(f"{module}.weight_packed"), num_bits, inp, dim=1)
     zero = unpack_int32(read(f"{module}.weight_zero_point"), num_bits, out, dim=0)
     if codes.shape != (out, inp) or zero.shape != (out, groups):
@@ -112,14 +118,23 @@ def quantization_config(schemes: dict[str, tuple[int, int, int]], ignore: Iterab
     grouped: dict[tuple[int, int | None, str], list[str]] = {}
     for target, (bits, group, in_dim) in schemes.items():
         strategy = "channel" if group == in_dim else "group"
-        grouped.setdefault((bits, group if strategy == "group" else None, strategy), []).append(f"re:{target}")
-    groups = {
+        grouped.setdefault((bits, group if strategy == "group" else None, strategy), []).append(
+            f"re:{target}"
+        )
+    groups: dict[str, Any] = {
         f"group_{n}": {
             "targets": sorted(targets),
             "weights": {
-                "num_bits": bits, "type": "int", "symmetric": False, "strategy": strategy,
-                "group_size": group, "dynamic": False, "actorder": None, "observer": "minmax",
-                "observer_kwargs": {}, "block_structure": None,
+                "num_bits": bits,
+                "type": "int",
+                "symmetric": False,
+                "strategy": strategy,
+                "group_size": group,
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "block_structure": None,
             },
             "input_activations": None,
             "output_activations": None,

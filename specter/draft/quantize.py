@@ -75,13 +75,22 @@ def quantize_model(
     if out.resolve() == loaded.checkpoint.dir.resolve():
         raise ValueError(f"out_dir {str(out)!r} is the model folder itself; choose another folder")
     spec = QuantSpec(method, group_size, grid, loaded.shape.dtype)
-    ids = calib_ids if calib_ids is not None else calibration_ids(loaded.checkpoint.dir, calib_text, calib_tokens)
+    ids = calib_ids
+    if ids is None and (method == "awq" or calib_text is not None):  # RTN and int8 need no activations
+        ids = calibration_ids(loaded.checkpoint.dir, calib_text, calib_tokens)
     if ids is not None:
         ids = ids[:calib_tokens]
     if method == "awq" and not ids:
-        raise ValueError("calib_text: AWQ needs calibration text (and a tokenizer in the model folder) or calib_ids")
+        raise ValueError(
+            "calib_text: AWQ needs calibration text (and a tokenizer in the model folder) or calib_ids"
+        )
+    used = {"gate_up": spec.group_for(loaded.shape.hidden), "down": spec.group_for(loaded.shape.intermediate)}
+    if method != "int8" and any(g != group_size for g in used.values()):
+        log.info("group size %d does not split every input dim; using %s", group_size, used)
     store = load_store(loaded, progress=progress)
-    recorder = record_expert_inputs(loaded, store, ids, cap=cap, seed=seed, progress=progress) if ids else None
+    recorder = (
+        record_expert_inputs(loaded, store, ids, cap=cap, seed=seed, progress=progress) if ids else None
+    )
     tensors = _dense_tensors(loaded)
     layers: dict[str, Any] = {}
     for layer in loaded.moe_layers:
@@ -90,11 +99,13 @@ def quantize_model(
             tensors.update(_expert_tensors(loaded, layer, expert, quant))
         layers[str(layer)] = _layer_summary(experts, store, layer)
         if progress:
-            log.info("quantized layer %d (%s): %s", layer, method, layers[str(layer)])
+            log.info("%s", _progress_line(layer, layers[str(layer)]))
     report = _report(loaded, spec, tensors, layers, len(ids) if ids else 0, cap)
     _write(loaded, out, tensors, _config(loaded, spec, report), report)
     if progress:
-        log.info("draft written to %s: %.2f MB packed experts (%s)", out, report["packed_bytes"] / 1e6, method)
+        log.info(
+            "draft written to %s: %.2f MB packed experts (%s)", out, report["packed_bytes"] / 1e6, method
+        )
     return report
 
 
@@ -110,9 +121,13 @@ def _quantize_layer(
     return out
 
 
-def _expert_tensors(loaded: LoadedModel, layer: int, expert: int, quant: QuantExpert) -> dict[str, torch.Tensor]:
+def _expert_tensors(
+    loaded: LoadedModel, layer: int, expert: int, quant: QuantExpert
+) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for key, weight in zip(loaded.family.expert_keys(layer, expert), (quant.gate, quant.up, quant.down), strict=True):
+    for key, weight in zip(
+        loaded.family.expert_keys(layer, expert), (quant.gate, quant.up, quant.down), strict=True
+    ):
         tensors.update(weight_tensors(key.removesuffix(".weight"), weight))
     return tensors
 
@@ -153,6 +168,18 @@ def _weight_error(experts: list[QuantExpert], store: ExpertStore, layer: int) ->
     return (err / ref) ** 0.5 if ref else 0.0
 
 
+def _progress_line(layer: int, summary: dict[str, Any]) -> str:
+    parts = [f"layer {layer}:"]
+    for name in ("alpha_gate_up", "alpha_down"):
+        if summary[name] is not None:
+            parts.append(f"{name} {summary[name]['mean']:.2f}")
+    for name in ("mse_gate_up", "mse_down"):
+        if summary[name] is not None:
+            parts.append(f"{name} {summary[name]:.3g}")
+    parts.append(f"weight rel err {summary['weight_rel_err']:.4f}, {summary['rtn_fallback']} RTN fallbacks")
+    return " ".join(parts)
+
+
 def _stats(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
@@ -160,10 +187,18 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 
 def _report(
-    loaded: LoadedModel, spec: QuantSpec, tensors: dict[str, torch.Tensor], layers: dict[str, Any],
-    tokens: int, cap: int,
+    loaded: LoadedModel,
+    spec: QuantSpec,
+    tensors: dict[str, torch.Tensor],
+    layers: dict[str, Any],
+    tokens: int,
+    cap: int,
 ) -> dict[str, Any]:
-    packed = sum(t.numel() * t.element_size() for k, t in tensors.items() if ".weight_" in k and loaded.family.is_expert_key(k))
+    packed = sum(
+        t.numel() * t.element_size()
+        for k, t in tensors.items()
+        if ".weight_" in k and loaded.family.is_expert_key(k)
+    )
     shape = loaded.shape
     return {
         "method": spec.method,
@@ -193,20 +228,31 @@ def _config(loaded: LoadedModel, spec: QuantSpec, report: dict[str, Any]) -> dic
         f"{base}({gate}|{up})": (spec.num_bits, gu_group, shape.hidden),
         f"{base}{down}": (spec.num_bits, down_group, shape.intermediate),
     }
-    ignore = [k.removesuffix(".weight") for k, e in loaded.checkpoint.entries.items()
-              if k.endswith(".weight") and len(e.shape) == 2 and not family.is_expert_key(k)]
+    ignore = [
+        k.removesuffix(".weight")
+        for k, e in loaded.checkpoint.entries.items()
+        if k.endswith(".weight") and len(e.shape) == 2 and not family.is_expert_key(k)
+    ]
     config["quantization_config"] = quantization_config(schemes, ignore)
     config["specter_draft"] = {"method": spec.method, "awq_scale_suffix": AWQ_SCALE, "format_version": 1}
     return config
 
 
 def _write(
-    loaded: LoadedModel, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], report: dict[str, Any]
+    loaded: LoadedModel,
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    report: dict[str, Any],
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for path in loaded.checkpoint.dir.iterdir():
         if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(_WEIGHT_SUFFIXES):

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
-from specter.draft.pack import bits_for, read_weight
+from specter.draft.pack import AWQ_SCALE, PACKED_SUFFIXES, bits_for, read_weight
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.loader import LoadedModel, build_dense
 from specter.models.routing import router_modules
@@ -43,7 +43,11 @@ class DraftExperts:
         self.kernels = kernels
 
     def forward(
-        self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        self,
+        module: Any,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """transformers' eager experts loop, with the draft's quantized weights."""
@@ -83,7 +87,10 @@ class DraftModel:
         runner = DraftExperts(kernels)
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = runner
-        self._hooks = [router.register_forward_hook(self._recorder(layer)) for layer, router in router_modules(loaded.model).items()]
+        self._hooks = [
+            router.register_forward_hook(self._recorder(layer))
+            for layer, router in router_modules(loaded.model).items()
+        ]
 
     @classmethod
     def load(
@@ -100,18 +107,26 @@ class DraftModel:
         config = read_config_dict(resolve_model_dir(draft_dir))
         qconfig = config.get("quantization_config")
         if not isinstance(qconfig, dict) or qconfig.get("format") != "pack-quantized":
-            raise CheckpointError(f"{draft_dir} is not a Specter draft: config.json has no pack-quantized quantization_config")
+            raise CheckpointError(
+                f"{draft_dir} is not a Specter draft: config.json has no pack-quantized quantization_config"
+            )
         loaded = build_dense(draft_dir)
         experts, packed_bytes = read_experts(loaded, qconfig)
         timings: dict[str, float] = {}
         if mode == "auto":
             mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
         kernels = ExpertKernels(experts, mode, loaded.shape.dtype, device)
-        loaded.model.to(device)
+        loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
         draft = cls(loaded, kernels, device, packed_bytes)
         draft.timings = timings
-        log.info("draft %s: %s, experts %.2f MB packed, %.2f MB in compute form, dense %.2f MB",
-                 loaded.family.model_type, mode, packed_bytes / 1e6, kernels.nbytes / 1e6, draft.dense_bytes / 1e6)
+        log.info(
+            "draft %s: %s, experts %.2f MB packed, %.2f MB in compute form, dense %.2f MB",
+            loaded.family.model_type,
+            mode,
+            packed_bytes / 1e6,
+            kernels.nbytes / 1e6,
+            draft.dense_bytes / 1e6,
+        )
         return draft
 
     @property
@@ -144,8 +159,10 @@ class DraftModel:
         return DraftStep(logits, self.last_routing)
 
     def describe(self) -> str:
-        return (f"draft {self.loaded.family.model_type} mode={self.mode} packed={self.packed_bytes / 1e6:.2f}MB "
-                f"dense={self.dense_bytes / 1e6:.2f}MB")
+        return (
+            f"draft {self.loaded.family.model_type} mode={self.mode} packed={self.packed_bytes / 1e6:.2f}MB "
+            f"dense={self.dense_bytes / 1e6:.2f}MB"
+        )
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -161,7 +178,9 @@ class DraftModel:
         return hook
 
 
-def read_experts(loaded: LoadedModel, qconfig: dict[str, Any]) -> tuple[dict[tuple[int, int], ExpertWeights], int]:
+def read_experts(
+    loaded: LoadedModel, qconfig: dict[str, Any]
+) -> tuple[dict[tuple[int, int], ExpertWeights], int]:
     """Every packed expert of the draft as quantized weights, and their packed byte count."""
     checkpoint: Checkpoint = loaded.checkpoint
     experts: dict[tuple[int, int], ExpertWeights] = {}
@@ -171,8 +190,13 @@ def read_experts(loaded: LoadedModel, qconfig: dict[str, Any]) -> tuple[dict[tup
             weights = []
             for key in loaded.family.expert_keys(layer, expert):
                 module = key.removesuffix(".weight")
-                weights.append(read_weight(module, checkpoint.read, checkpoint.entries.__contains__, bits_for(module, qconfig)))
-                nbytes += sum(e.nbytes for k, e in checkpoint.entries.items() if k.startswith(module + ".weight_"))
+                weights.append(
+                    read_weight(
+                        module, checkpoint.read, checkpoint.entries.__contains__, bits_for(module, qconfig)
+                    )
+                )
+                parts = (f"{module}.{suffix}" for suffix in (*PACKED_SUFFIXES, AWQ_SCALE))
+                nbytes += sum(checkpoint.entries[k].nbytes for k in parts if k in checkpoint.entries)
             experts[(layer, expert)] = (weights[0], weights[1], weights[2])
     _check_shapes(loaded, experts)
     return experts, nbytes
@@ -182,6 +206,7 @@ def _check_shapes(loaded: LoadedModel, experts: dict[tuple[int, int], ExpertWeig
     hidden, inter = loaded.shape.hidden, loaded.shape.intermediate
     for key, (gate, up, down) in experts.items():
         if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
-            raise CheckpointError(f"draft expert {key} has shapes {gate.shape}, {up.shape}, {down.shape}; "
-                                  f"the model expects ({inter}, {hidden}) and ({hidden}, {inter})")
-
+            raise CheckpointError(
+                f"draft expert {key} has shapes {gate.shape}, {up.shape}, {down.shape}; "
+                f"the model expects ({inter}, {hidden}) and ({hidden}, {inter})"
+            )

@@ -1,0 +1,169 @@
+"""The benchmark: every policy on the same prompts, interleaved in one process, per link profile.
+
+Absolute CPU times are noise on a shared machine; the evidence is the ratios between policies
+measured side by side in one run. See docs/benchmark.md for the method.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specter.config import LinkConfig, SlotConfig
+from specter.draft.loading import load_draft
+from specter.engine import Engine
+from specter.plan import DRAFT_POLICIES, POLICIES
+from specter.profiles import PROFILES, Profile
+from specter.target import OffloadedTarget
+
+log = logging.getLogger(__name__)
+
+BASELINE = "demand-lru"
+
+
+@dataclass
+class BenchConfig:
+    """What one benchmark run covers."""
+
+    model: str
+    draft: str
+    prompts: list[list[int]]
+    profiles: list[str]
+    policies: list[str] = field(default_factory=lambda: list(POLICIES))
+    windows: dict[str, int] = field(default_factory=dict)
+    budget: float = 0.5
+    per_layer: bool = False
+    new_tokens: int = 128
+
+
+def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[float, int]:
+    """This machine's all-resident decode step time, and bytes one token's experts take if all miss."""
+    target = OffloadedTarget.load(model, SlotConfig(fraction=1.0), LinkConfig(bandwidth=1e15, latency=0.0))
+    try:
+        Engine(target).generate_fresh(prompt, 4)  # warm-up
+        _, stats = Engine(target).generate_fresh(prompt, tokens)
+        loaded = target.loaded
+        per_token = len(loaded.moe_layers) * loaded.top_k * loaded.shape.nbytes
+    finally:
+        target.close()
+    return stats.tpot_s, per_token
+
+
+def link_for(profile: Profile, step_s: float, bytes_per_token: int) -> LinkConfig:
+    """The simulated link that gives this machine's model the profile's offload pressure."""
+    return LinkConfig(kind="sim", bandwidth=profile.sim_bandwidth(step_s, bytes_per_token), latency=0.0)
+
+
+def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Run every policy × prompt for every profile; returns the JSON-able results."""
+    step_s, per_token = resident_step_s(config.model, config.prompts[0])
+    draft = load_draft(config.draft)
+    results: dict[str, Any] = {"step_s": step_s, "bytes_per_token": per_token, "profiles": {}}
+    for name in config.profiles:
+        profile = PROFILES[name]
+        link = link_for(profile, step_s, per_token)
+        log.info("profile %s: rho %.1f, simulated link %.2f MB/s", name, profile.rho, link.bandwidth / 1e6)
+        runs = _run_profile(config, draft, link, progress, name)
+        results["profiles"][name] = {"rho": profile.rho, "link_bytes_per_s": link.bandwidth, "runs": runs,
+                                     "summary": summarize(runs)}
+    return results
+
+
+def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, name: str) -> dict:
+    budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
+    targets = {p: OffloadedTarget.load(config.model, budget, link, p) for p in config.policies}
+    runs: dict[str, list[dict]] = {p: [] for p in config.policies}
+    t0 = time.perf_counter()
+    try:
+        for i, prompt in enumerate(config.prompts):
+            for policy in config.policies:  # interleaved: machine noise hits every policy alike
+                window = config.windows.get(policy, POLICIES[policy].default_window)
+                use_draft = draft if policy in DRAFT_POLICIES else None
+                engine = Engine(targets[policy], use_draft, window if use_draft else 0)
+                _, stats = engine.generate_fresh(prompt, config.new_tokens)
+                runs[policy].append(stats.to_dict())
+            if progress:
+                done = i + 1
+                eta = (time.perf_counter() - t0) / done * (len(config.prompts) - done)
+                print(f"  [{name}] prompt {done}/{len(config.prompts)}  ETA {eta:5.0f}s", flush=True)
+    finally:
+        for target in targets.values():
+            target.close()
+    return runs
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Median TPOT per policy, speedups, and the mean of every other figure."""
+    base = statistics.median(r["tpot_s"] for r in runs[BASELINE]) if BASELINE in runs else None
+    out: dict[str, dict[str, float]] = {}
+    for policy, items in runs.items():
+        tpot = statistics.median(r["tpot_s"] for r in items)
+        tokens = sum(r["new_tokens"] for r in items)
+        out[policy] = {
+            "tpot_s": tpot,
+            "speedup": base / tpot if base else float("nan"),
+            "hit_rate": statistics.mean(r["hit_rate"] for r in items),
+            "misses_per_token": sum(r["misses"] for r in items) / tokens,
+            "mb_per_token": sum(r["bytes_moved"] for r in items) / tokens / 1e6,
+            "link_busy": statistics.mean(r["link_busy_fraction"] for r in items),
+            "recall": statistics.mean(r.get("recall", 0.0) for r in items),
+            "accepted": statistics.mean(r.get("mean_accepted", 0.0) for r in items),
+            "wait_s_per_token": sum(r["wait_s"] for r in items) / tokens,
+            "draft_s_per_token": sum(r.get("draft_s", 0.0) for r in items) / tokens,
+            "verify_s_per_token": sum(r.get("verify_s", 0.0) for r in items) / tokens,
+            "window": items[0].get("window", 0),
+        }
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    """The side-by-side table, one block per profile."""
+    lines = []
+    for name, block in results["profiles"].items():
+        lines.append(f"\nprofile {name} (rho {block['rho']:.1f}, sim link {block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
+        lines.append(f"{'policy':<15}{'K':>3}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
+                     f"{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}")
+        for policy, s in block["summary"].items():
+            lines.append(f"{policy:<15}{s['window']:>3}{s['tpot_s'] * 1e3:>10.2f}{s['speedup']:>8.2f}x"
+                         f"{s['hit_rate']:>7.2f}{s['misses_per_token']:>10.2f}{s['mb_per_token']:>8.2f}"
+                         f"{s['link_busy']:>7.0%}{s['recall']:>8.2f}{s['accepted']:>8.2f}")
+    return "\n".join(lines)
+
+
+def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """The bar Specter must clear, each line (claim, passed, numbers)."""
+    checks = []
+    at_2x = []
+    for name, block in results["profiles"].items():
+        s = block["summary"]
+        if "specter" not in s:
+            continue
+        sp = s["specter"]
+        at_2x.append((name, sp["speedup"]))
+        for rival in ("specter-paper", "specmoeoff"):
+            if rival in s:
+                ratio = s[rival]["tpot_s"] / sp["tpot_s"]
+                checks.append((f"[{name}] specter >= 1.2x faster than {rival}", ratio >= 1.2, f"{ratio:.2f}x"))
+        if "oracle" in s:
+            ratio = sp["tpot_s"] / s["oracle"]["tpot_s"]
+            checks.append((f"[{name}] specter within 1.15x of oracle", ratio <= 1.15, f"{ratio:.2f}x"))
+        checks.append((f"[{name}] prediction recall >= 0.9", sp["recall"] >= 0.9, f"{sp['recall']:.2f}"))
+    passed = [n for n, x in at_2x if x >= 2.0]
+    numbers = ", ".join(f"{n}: {x:.2f}x" for n, x in at_2x)
+    checks.insert(0, ("specter >= 2.0x faster than demand-lru under >= 2 profiles", len(passed) >= 2, numbers))
+    return checks
+
+
+def save(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """results.json plus PNG plots; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=1))
+    from specter.bench_plots import plot_all
+
+    return [path, *plot_all(results, out_dir)]

@@ -1,0 +1,50 @@
+"""PNG plots of a benchmark run (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = list(results["profiles"])
+    policies = list(next(iter(results["profiles"].values()))["summary"])
+    files = []
+    for metric, label, name in (("tpot_s", "TPOT (ms)", "tpot.png"), ("speedup", "speedup over demand-lru", "speedup.png")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / len(policies)
+        for i, policy in enumerate(policies):
+            values = [results["profiles"][p]["summary"][policy][metric] * (1e3 if metric == "tpot_s" else 1)
+                      for p in profiles]
+            ax.bar([x + i * width for x in range(len(profiles))], values, width, label=policy)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(profiles))], profiles)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        files.append(out_dir / name)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for j, profile in enumerate(profiles):
+        summary = results["profiles"][profile]["summary"]
+        for i, policy in enumerate(policies):
+            s = summary[policy]
+            x = j * (len(policies) + 1) + i
+            parts = [s["draft_s_per_token"], s["verify_s_per_token"] - s["wait_s_per_token"], s["wait_s_per_token"]]
+            bottom = 0.0
+            for part, color in zip(parts, ("tab:blue", "tab:green", "tab:red"), strict=True):
+                ax.bar(x, part * 1e3, bottom=bottom, color=color)
+                bottom += part * 1e3
+    ax.set_ylabel("ms per token: draft / verify compute / waiting on link")
+    ax.set_xticks([j * (len(policies) + 1) + i for j in range(len(profiles)) for i in range(len(policies))],
+                  [p for _ in profiles for p in policies], rotation=70, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out_dir / "time_split.png", dpi=110)
+    plt.close(fig)
+    files.append(out_dir / "time_split.png")
+    return files

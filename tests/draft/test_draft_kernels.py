@@ -1,0 +1,80 @@
+"""The draft's three compute modes give the same numbers; the int4 kernel path is the real kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specter.draft.kernels import ExpertKernels, choose_mode, kernel_accepts, time_modes
+from specter.draft.qweight import quantize_weight
+from specter.draft.runner import DraftModel
+
+CPU = torch.device("cpu")
+
+
+def _expert(gen: torch.Generator, hidden: int = 64, inter: int = 32, awq: bool = True):
+    s = (torch.rand(hidden, generator=gen) + 0.5) if awq else None
+    gate = quantize_weight(torch.randn(inter, hidden, generator=gen), 4, 64, torch.float32, s)
+    up = quantize_weight(torch.randn(inter, hidden, generator=gen), 4, 64, torch.float32, s)
+    s_down = (torch.rand(inter, generator=gen) + 0.5) if awq else None
+    down = quantize_weight(torch.randn(hidden, inter, generator=gen), 4, 32, torch.float32, s_down)
+    return gate, up, down
+
+
+@pytest.mark.parametrize("awq", [True, False])
+def test_modes_agree_on_one_expert(awq: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    expert = _expert(gen, awq=awq)
+    x = torch.randn(5, 64, generator=gen)
+    outs = {}
+    for mode in ("int4-kernel", "dequant-cache", "dequant-on-the-fly"):
+        kernels = ExpertKernels({(0, 0): expert}, mode, torch.float32, CPU)
+        assert kernels.kernel_fallbacks == 0
+        mid = kernels.gate_up((0, 0), x)
+        outs[mode] = (mid, kernels.down((0, 0), mid[:, :32]))
+    ref = outs["dequant-cache"]
+    for mode in ("int4-kernel", "dequant-on-the-fly"):
+        torch.testing.assert_close(outs[mode][0], ref[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(outs[mode][1], ref[1], rtol=1e-4, atol=1e-3)
+
+
+def test_kernel_shape_rules_and_fallback() -> None:
+    gen = torch.Generator().manual_seed(1)
+    assert kernel_accepts(quantize_weight(torch.randn(32, 64, generator=gen), 4, 64, torch.float32))
+    assert not kernel_accepts(quantize_weight(torch.randn(24, 64, generator=gen), 4, 64, torch.float32))
+    assert not kernel_accepts(quantize_weight(torch.randn(32, 64, generator=gen), 4, 16, torch.float32))
+    assert not kernel_accepts(quantize_weight(torch.randn(32, 64, generator=gen), 8, 64, torch.float32))
+    gate, up, _ = _expert(gen)
+    odd_down = quantize_weight(torch.randn(64, 32, generator=gen), 4, 16, torch.float32)
+    kernels = ExpertKernels({(0, 0): (gate, up, odd_down)}, "int4-kernel", torch.float32, CPU)
+    assert kernels.kernel_fallbacks == 1
+
+
+def test_int4_kernel_is_cpu_only_and_modes_are_checked() -> None:
+    expert = _expert(torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="cpu only"):
+        ExpertKernels({(0, 0): expert}, "int4-kernel", torch.float32, torch.device("meta"))
+    with pytest.raises(ValueError, match="mode"):
+        ExpertKernels({(0, 0): expert}, "auto", torch.float32, CPU)
+
+
+def test_auto_measures_and_picks_a_mode() -> None:
+    expert = _expert(torch.Generator().manual_seed(3))
+    timings = time_modes(expert, torch.float32, CPU, tokens=1, repeat=3)
+    assert set(timings) == {"int4-kernel", "dequant-cache", "dequant-on-the-fly"}
+    assert all(t > 0 for t in timings.values())
+    mode, _ = choose_mode(expert, torch.float32, CPU)
+    assert mode in ("int4-kernel", "dequant-cache")
+
+
+def test_draft_model_int4_kernel_matches_dequant(draft_dir) -> None:
+    folder = draft_dir("kernel", "awq")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    kernel = DraftModel.load(folder, device="cpu", mode="int4-kernel")
+    assert kernel.kernels.kernel_fallbacks == 0
+    dense = DraftModel.load(folder, device="cpu", mode="dequant-cache")
+    fly = DraftModel.load(folder, device="cpu", mode="dequant-on-the-fly")
+    ref = dense.forward(ids)
+    torch.testing.assert_close(kernel.forward(ids), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fly.forward(ids), ref, rtol=1e-5, atol=1e-5)
+    assert kernel.packed_bytes == dense.packed_bytes < dense.kernels.nbytes

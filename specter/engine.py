@@ -172,6 +172,12 @@ class Engine:
                 qs.append(q.cpu())
             drafts.append(token)
             pending = [token]
+        if self.policy.route_last_draft and drafts:
+            # One more draft forward routes the last draft token's position too, so the plan
+            # covers all K+1 positions the verify pass will run (its logits are not needed).
+            self.draft.forward(torch.tensor([pending]), cache)
+            dstate[1] += 1
+            self.policy.on_plan(_plan_delta(round_id, k, self.draft.last_routing, predicted))
         return drafts, qs, predicted
 
     def _stats(self, before, prompt_len: int, t0: float, commits: list[float], tally: _Tally) -> RequestStats:

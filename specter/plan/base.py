@@ -21,6 +21,7 @@ class Policy:
 
     name = "base"
     default_window = 0  # draft tokens per round when the user gives none (0: plain decoding)
+    route_last_draft = False  # ask the engine for one more draft forward to route the K-th token
 
     def __init__(self) -> None:
         self.offload: OffloadedExperts | None = None

@@ -14,6 +14,7 @@ class Oracle(Specter):
     """Perfect prediction from a recorded trace."""
 
     name = "oracle"
+    route_last_draft = False  # it knows the routing; an extra draft step would only cost time
 
     def __init__(self) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ class Specter(Policy):
 
     name = "specter"
     default_window = 4
+    route_last_draft = True
 
     def __init__(self) -> None:
         super().__init__()

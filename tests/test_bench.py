@@ -1,0 +1,61 @@
+"""The benchmark harness: profiles reproduce ρ, summaries compute the ratios they claim."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specter import bench
+from specter.profiles import PROFILES
+
+
+def test_profile_rho_and_simulated_bandwidth():
+    p = PROFILES["mixtral-pcie4"]
+    assert p.miss_s == pytest.approx(64 * 352_321_536 / 25e9)
+    # The simulated link gives the CPU model the same rho: one fully-missed token = rho steps.
+    bw = p.sim_bandwidth(cpu_step_s=0.01, bytes_per_token=1_600_000)
+    assert 1_600_000 / bw / 0.01 == pytest.approx(p.rho)
+    assert 10 < PROFILES["qwen2moe-pcie4"].rho < PROFILES["dsv2lite-pcie4"].rho < PROFILES["mixtral-pcie4"].rho
+
+
+def _run(tpot: float, **extra) -> dict:
+    base = dict(tpot_s=tpot, new_tokens=10, hit_rate=0.5, misses=4, bytes_moved=2_000_000, link_busy_fraction=0.5,
+                wait_s=0.1, window=0)
+    return base | extra
+
+
+def test_summary_and_bar_arithmetic():
+    runs = {
+        "demand-lru": [_run(0.30), _run(0.10), _run(0.20)],
+        "specter": [_run(0.05, recall=0.95, mean_accepted=2.0, window=4), _run(0.10, recall=0.95), _run(0.08)],
+        "oracle": [_run(0.07), _run(0.07), _run(0.07)],
+        "specter-paper": [_run(0.2)] * 3,
+        "specmoeoff": [_run(0.09)] * 3,
+    }
+    summary = bench.summarize(runs)
+    assert summary["specter"]["tpot_s"] == pytest.approx(0.08)  # median
+    assert summary["specter"]["speedup"] == pytest.approx(0.20 / 0.08)
+    assert summary["demand-lru"]["misses_per_token"] == pytest.approx(12 / 30)
+    results = {"profiles": {"a": {"rho": 30.0, "link_bytes_per_s": 1e6, "summary": summary},
+                            "b": {"rho": 20.0, "link_bytes_per_s": 1e6, "summary": summary}}}
+    verdicts = {claim: ok for claim, ok, _ in bench.bar(results)}
+    assert verdicts["specter >= 2.0x faster than demand-lru under >= 2 profiles"]
+    assert verdicts["[a] specter >= 1.2x faster than specter-paper"]
+    assert not verdicts["[a] specter >= 1.2x faster than specmoeoff"]  # 0.09 / 0.08 = 1.125
+    assert verdicts["[a] specter within 1.15x of oracle"]  # 0.08 / 0.07 = 1.14
+    assert "specter" in bench.table(results)
+
+
+def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
+    folder = tiny_dir("qwen2_moe")
+    config = bench.BenchConfig(str(folder), str(folder), [[3, 17, 25, 9], [5, 6, 7]], ["qwen2moe-pcie4"],
+                               policies=["demand-lru", "specter", "oracle"], new_tokens=6)
+    results = bench.run(config, progress=False)
+    summary = results["profiles"]["qwen2moe-pcie4"]["summary"]
+    assert set(summary) == {"demand-lru", "specter", "oracle"}
+    assert summary["demand-lru"]["speedup"] == pytest.approx(1.0)
+    assert summary["specter"]["recall"] == pytest.approx(1.0)  # the draft is the target itself
+    files = bench.save(results, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["profiles"]
+    assert all(f.exists() and f.stat().st_size > 0 for f in files)

@@ -1,18 +1,88 @@
 """Every message that crosses a socket between Specter's processes, and ``PROTOCOL_VERSION``.
 
 Typed msgspec structs encoded as msgpack arrays (``array_like``), tagged so that one decoder
-reads a union. Plans carry ids and scores, never tensors. New fields go at the end, with defaults.
+reads a union: on the wire a message is ``[tag, field0, field1, ...]``. Plans carry ids and
+scores, never tensors; the draft's token probabilities travel as little-endian int32/float32
+bytes (:class:`SparseProbs`), never pickled. New fields go at the end, with defaults; a decoder
+ignores trailing fields it does not know, so appending is compatible within one version.
+``Hello`` and ``Welcome`` keep their layout forever, so that a version mismatch is always readable.
+
+``decode`` is the only way in: it raises :class:`ProtocolError` (a ``ValueError``) for anything
+malformed, with ``reason`` one of ``malformed``, ``unknown`` (an unknown tag) or ``wrong_version``.
+See docs/wire.md.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgpack
 import msgspec
+import numpy as np
+from msgspec import Meta
 
 PROTOCOL_VERSION = 1
 
+# Caps that a decoder enforces: a peer cannot make us allocate more than these.
+MAX_ID = 2**31 - 1  # layer, expert, token, round and step ids
+MAX_LIST = 1 << 16  # ids in one list (experts of one layer, layers of one plan)
+MAX_TOKENS = 1 << 20  # tokens in a prompt or a finished request
+MAX_WINDOW = 1 << 10  # draft tokens in one round
+MAX_SCORE = 1e6  # router weights (some models scale them above 1; never NaN or inf)
+MAX_NAME = 256  # roles, request ids, places
+MAX_TEXT = 1 << 20  # free text and stats JSON
+MAX_FRAME_BYTES = 64 << 20  # a whole frame
+
+MALFORMED, UNKNOWN, WRONG_VERSION = "malformed", "unknown", "wrong_version"
+
+Id = Annotated[int, Meta(ge=0, le=MAX_ID)]
+Ids = Annotated[list[Id], Meta(max_length=MAX_LIST)]
+Tokens = Annotated[list[Id], Meta(max_length=MAX_TOKENS)]
+Score = Annotated[float, Meta(ge=0.0, le=MAX_SCORE)]
+Scores = Annotated[list[Score], Meta(max_length=MAX_LIST)]
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Version = Annotated[int, Meta(ge=0, le=MAX_ID)]
+Pid = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Blob = Annotated[bytes, Meta(max_length=4 * MAX_TOKENS)]
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol.
+
+    Attributes:
+        reason: ``malformed``, ``unknown`` (unknown tag) or ``wrong_version``.
+    """
+
+    def __init__(self, message: str, reason: str = MALFORMED):
+        super().__init__(message)
+        self.reason = reason
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another ``PROTOCOL_VERSION``."""
+
+    def __init__(self, message: str):
+        super().__init__(message, WRONG_VERSION)
+
+
+class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
+    """First frame of a connection, both ways: who I am and what I speak. Layout frozen forever."""
+
+    version: Version
+    role: Name
+    pid: Pid
+
+
+class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
+    """Answer to a peer's ``Hello``: my version and role. Layout frozen forever."""
+
+    version: Version
+    role: Name
+
 
 class PlanDelta(msgspec.Struct, frozen=True, array_like=True, tag="plan"):
-    """What the draft's routers picked at one draft step of one round.
+    """What the draft's routers picked at one draft step of one round (draft → transfer).
 
     Attributes:
         round: the speculative round this step belongs to (stale rounds are cancelled).
@@ -22,8 +92,281 @@ class PlanDelta(msgspec.Struct, frozen=True, array_like=True, tag="plan"):
         probs: per layer, the router weight of each id in ``experts``.
     """
 
-    round: int
-    step: int
-    layers: list[int]
-    experts: list[list[int]]
-    probs: list[list[float]]
+    round: Id
+    step: Id
+    layers: Ids
+    experts: Annotated[list[Ids], Meta(max_length=MAX_LIST)]
+    probs: Annotated[list[Scores], Meta(max_length=MAX_LIST)]
+
+
+class SparseProbs(msgspec.Struct, frozen=True, array_like=True):
+    """One draft distribution q over the vocabulary, nonzero entries only (not a message).
+
+    Attributes:
+        ids: token ids, little-endian int32 (ascending when made by ``from_dense``).
+        probs: their probabilities, little-endian float32 (float32 is what the draft computes).
+    """
+
+    ids: Blob
+    probs: Blob
+
+    @classmethod
+    def from_dense(cls, row: np.ndarray) -> SparseProbs:
+        """Pack a dense (V,) probability row (numpy, or a CPU tensor via ``np.asarray``)."""
+        dense = np.asarray(row, dtype=np.float32).reshape(-1)
+        ids = np.flatnonzero(dense).astype("<i4")
+        return cls(ids.tobytes(), dense[ids].astype("<f4").tobytes())
+
+    def to_dense(self, vocab_size: int) -> np.ndarray:
+        """The dense (V,) float32 row this packs."""
+        dense = np.zeros(vocab_size, dtype=np.float32)
+        dense[np.frombuffer(self.ids, dtype="<i4")] = np.frombuffer(self.probs, dtype="<f4")
+        return dense
+
+
+class DraftTokens(msgspec.Struct, frozen=True, array_like=True, tag="draft"):
+    """The K draft tokens of a round (draft → verifier).
+
+    Attributes:
+        round: the round they were drafted in.
+        tokens: the draft tokens, in order.
+        q: for sampling, one :class:`SparseProbs` per token (the warped distribution it was drawn
+            from); empty when greedy.
+        vocab_size: length of the dense rows of ``q`` (0 when ``q`` is empty).
+    """
+
+    round: Id
+    tokens: Annotated[list[Id], Meta(max_length=MAX_WINDOW)]
+    q: Annotated[list[SparseProbs], Meta(max_length=MAX_WINDOW)] = []
+    vocab_size: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
+
+
+class VerifyResult(msgspec.Struct, frozen=True, array_like=True, tag="verify"):
+    """The verifier's decision on a round (verifier → draft, and → transfer for its cache policy).
+
+    Attributes:
+        round: the round decided.
+        accepted: draft tokens accepted (a prefix).
+        next_token: the correction or bonus token the target adds.
+        true_experts: per layer in ``layers``, the experts the verify pass used.
+        layers: MoE layer ids, in the order of ``true_experts``.
+    """
+
+    round: Id
+    accepted: Annotated[int, Meta(ge=0, le=MAX_WINDOW)]
+    next_token: Id
+    true_experts: Annotated[list[Ids], Meta(max_length=MAX_LIST)]
+    layers: Ids
+
+
+class DemandRequest(msgspec.Struct, frozen=True, array_like=True, tag="demand"):
+    """The verifier needs these experts of ``layer`` now and they are not in flight (→ transfer)."""
+
+    round: Id
+    layer: Id
+    experts: Ids
+
+
+class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
+    """Start generating for one prompt (driver → draft, verifier and transfer).
+
+    Sampling fields mean what ``SamplingConfig``'s do (temperature 0: greedy; top_k 0: off);
+    ``window`` is K, 0 for the policy's default.
+    """
+
+    request_id: Name
+    prompt_ids: Annotated[list[Id], Meta(min_length=1, max_length=MAX_TOKENS)]
+    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+    temperature: Annotated[float, Meta(ge=0.0, le=1e4)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=MAX_ID)] = 0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+    window: Annotated[int, Meta(ge=0, le=MAX_WINDOW)] = 0
+
+
+class RequestDone(msgspec.Struct, frozen=True, array_like=True, tag="done"):
+    """A request finished (verifier → driver); ``stats_json`` is a JSON object of its stats."""
+
+    request_id: Name
+    tokens: Tokens
+    stats_json: Text = "{}"
+
+
+class Cancel(msgspec.Struct, frozen=True, array_like=True, tag="cancel"):
+    """Round ``round`` was drafted on a prefix the verifier rejected: drop its plan deltas and its
+    queued prefetches (draft → transfer, once a ``VerifyResult`` makes an optimistic round stale)."""
+
+    round: Id
+
+
+class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
+    """Stop after the current work (driver → every actor)."""
+
+    reason: Text = ""
+
+
+class Error(msgspec.Struct, frozen=True, array_like=True, tag="error"):
+    """A failure that the peer should know about: where it happened and what it was."""
+
+    where: Name
+    message: Text
+
+
+Message = (
+    Hello
+    | Welcome
+    | PlanDelta
+    | DraftTokens
+    | VerifyResult
+    | DemandRequest
+    | StartRequest
+    | RequestDone
+    | Cancel
+    | Shutdown
+    | Error
+)
+MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
+    Hello,
+    Welcome,
+    PlanDelta,
+    DraftTokens,
+    VerifyResult,
+    DemandRequest,
+    StartRequest,
+    RequestDone,
+    Cancel,
+    Shutdown,
+    Error,
+)
+TAGS: frozenset[str] = frozenset(str(t.__struct_config__.tag) for t in MESSAGE_TYPES)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """One message as msgpack bytes: ``[tag, field0, ...]``.
+
+    Raises:
+        TypeError: ``msg`` is not a protocol message.
+    """
+    if not isinstance(msg, MESSAGE_TYPES):
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Read one message, fully validated.
+
+    Raises:
+        ProtocolError: for anything that is not a valid message (its ``reason`` says why).
+    """
+    if len(data) > max_bytes:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the cap of {max_bytes}")
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        reason = _classify(bytes(data))
+        raise ProtocolError(f"{reason} frame: {exc}", reason) from None
+    _check(msg)
+    return msg
+
+
+def check_version(peer: Hello | Welcome, expected: int = PROTOCOL_VERSION) -> None:
+    """Raise :class:`VersionMismatch` unless the peer speaks ``expected``."""
+    if peer.version != expected:
+        pid = f" (pid {peer.pid})" if isinstance(peer, Hello) else ""
+        raise VersionMismatch(
+            f"protocol version mismatch: peer {peer.role!r}{pid} speaks version {peer.version}, "
+            f"this process speaks {expected}; run the same Specter build on both sides"
+        )
+
+
+def _classify(data: bytes) -> str:
+    """``unknown`` when the frame is an array led by a string that is not a known tag."""
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1)
+        unpacker.feed(data)
+        if unpacker.read_array_header() < 1:
+            return MALFORMED
+        tag = unpacker.unpack()
+    except Exception:  # any garbage: plain msgpack's errors are many and unimportant here
+        return MALFORMED
+    return UNKNOWN if isinstance(tag, str) and tag not in TAGS else MALFORMED
+
+
+def _check(msg: Message) -> None:
+    """Consistency that per-field types cannot express (parallel list lengths and the like)."""
+    if isinstance(msg, PlanDelta):
+        _same_lengths("PlanDelta", msg.layers, msg.experts, msg.probs)
+        if list(map(len, msg.experts)) != list(map(len, msg.probs)):
+            raise ProtocolError("PlanDelta: an experts list and its probs differ in length")
+    elif isinstance(msg, VerifyResult):
+        _same_lengths("VerifyResult", msg.layers, msg.true_experts)
+    elif isinstance(msg, DraftTokens):
+        _check_draft(msg)
+    elif isinstance(msg, RequestDone):
+        _check_stats(msg.stats_json)
+
+
+def _same_lengths(what: str, *lists: list) -> None:
+    if len({len(x) for x in lists}) > 1:
+        raise ProtocolError(f"{what}: parallel lists differ in length {[len(x) for x in lists]}")
+
+
+def _check_draft(msg: DraftTokens) -> None:
+    if not msg.q:
+        return
+    if len(msg.q) != len(msg.tokens):
+        raise ProtocolError(f"DraftTokens: {len(msg.q)} q rows for {len(msg.tokens)} tokens")
+    if any(t >= msg.vocab_size for t in msg.tokens):
+        raise ProtocolError(f"DraftTokens: a token id is >= vocab_size {msg.vocab_size}")
+    for row in msg.q:
+        if len(row.ids) % 4 or len(row.ids) != len(row.probs) or len(row.ids) > 4 * msg.vocab_size:
+            raise ProtocolError(f"SparseProbs: {len(row.ids)} id bytes vs {len(row.probs)} prob bytes")
+    for ids, probs in _q_arrays(msg.q):
+        if ids.size and (ids.min() < 0 or ids.max() >= msg.vocab_size):
+            raise ProtocolError(f"SparseProbs: token id outside [0, {msg.vocab_size})")
+        if not ((probs >= 0) & (probs <= 1)).all():  # NaN fails both comparisons
+            raise ProtocolError("SparseProbs: a probability is not in [0, 1]")
+
+
+def _q_arrays(q: list[SparseProbs]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Zero-copy arrays of each row, or of all rows joined when they are short (numpy's
+    per-call overhead dominates short rows; copying dominates long ones)."""
+    if sum(len(row.ids) for row in q) <= 1 << 16:
+        q = [SparseProbs(b"".join(row.ids for row in q), b"".join(row.probs for row in q))]
+    return [(np.frombuffer(row.ids, dtype="<i4"), np.frombuffer(row.probs, dtype="<f4")) for row in q]
+
+
+def _check_stats(text: str) -> None:
+    try:
+        stats = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"RequestDone.stats_json is not JSON: {exc}") from None
+    if not isinstance(stats, dict):
+        raise ProtocolError("RequestDone.stats_json is not a JSON object")
+
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Cancel",
+    "DemandRequest",
+    "DraftTokens",
+    "Error",
+    "Hello",
+    "Message",
+    "PlanDelta",
+    "ProtocolError",
+    "RequestDone",
+    "Shutdown",
+    "SparseProbs",
+    "StartRequest",
+    "VerifyResult",
+    "VersionMismatch",
+    "Welcome",
+    "check_version",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,469 @@
+"""The slot pool's storage, shared by two processes without copies, and its readiness table.
+
+``SharedSlots.create`` (transfer side) makes the storage, a ``(num_slots, numel)`` tensor, and a
+readiness table; ``SharedSlots.attach(handle)`` (verifier side) maps the same memory. On a CPU
+both live in POSIX shared memory (``/dev/shm/<prefix>-data``, ``/dev/shm/<prefix>-table``). On
+CUDA the storage is a device tensor shared through torch's CUDA IPC and each slot has an
+interprocess event; the table stays in host shared memory. **The CUDA branch is untested on the
+CPU machines this was written on; it is tested on a lent GPU.**
+
+Readiness is a seqlock per slot (docs/wire.md): the writer makes the slot's sequence number odd,
+writes the blob and the owner key, then makes it even; a reader reads the number, the key, and the
+number again, and trusts the key only if both reads agree and are even. A reader *pins* a slot
+while it computes with it; the writer does not start writing a pinned slot (Dekker-style: each
+side stores, fences, then loads the other side's word).
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+import weakref
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (layer, expert)
+SHM_DIR = "/dev/shm"
+MAGIC = 0x544F4C5352545053  # b"SPTRSLOT" read as a little-endian int64
+LAYOUT_VERSION = 1
+HEADER_WORDS = 8  # magic, layout version, num_slots, numel, itemsize, 3 reserved
+SEQ, LAYER, EXPERT, PINS = range(4)  # the int64 words of one table row
+ROW_WORDS = 4
+EMPTY = -1  # LAYER/EXPERT of a slot that holds nothing
+SPIN_S = 50e-6  # wait_ready spins this long before it starts to sleep
+MAX_SLEEP_S = 1e-3
+_PREFIX = re.compile(r"[A-Za-z0-9_.-]{4,200}")
+_FENCE = threading.Lock()
+
+
+class SharedSlotsError(RuntimeError):
+    """Shared slots could not be created, attached or written."""
+
+
+class SlotTimeout(SharedSlotsError, TimeoutError):
+    """An expert did not become ready in its slot in time."""
+
+
+class CudaShare(msgspec.Struct, frozen=True):
+    """What another process needs to map a CUDA storage and its per-slot events.
+
+    Attributes:
+        ipc_args: ``rebuild_cuda_tensor``'s arguments after ``dtype``, as ``reduce_tensor`` made
+            them: device, handle, storage size and offset in bytes, requires_grad, ref-counter
+            handle and offset, event handle, event_sync_required (bytes, ints, bools, None).
+        slot_events: ``ipc_handle()`` of each slot's interprocess event.
+    """
+
+    ipc_args: tuple[int, bytes, int, int, bool, bytes, int, bytes | None, bool]
+    slot_events: list[bytes]
+
+
+class SlotsHandle(msgspec.Struct, frozen=True):
+    """A small description of shared slots, to send to the process that attaches them.
+
+    Encode with ``msgspec.json`` or ``msgspec.msgpack``; names are POSIX shm names (no slash).
+    """
+
+    prefix: str
+    num_slots: int
+    numel: int
+    dtype: str
+    table_name: str
+    data_name: str = ""  # empty when the storage is a CUDA tensor
+    cuda: CudaShare | None = None
+
+
+def new_prefix(tag: str = "specter") -> str:
+    """A fresh, unguessable name prefix: ``{tag}-{pid}-{random}``."""
+    return f"{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def unlink_prefix(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove every shared-memory segment whose name starts with ``prefix`` (e.g. after the
+    creating process was killed); returns the names removed. Linux (``/dev/shm``) only."""
+    _check_prefix(prefix)
+    names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)] if os.path.isdir(shm_dir) else []
+    removed = [n for n in names if _shm_unlink(n)]
+    if removed:
+        log.info("removed shared memory %s", ", ".join(removed))
+    return removed
+
+
+class SharedSlots:
+    """``storage`` (num_slots, numel) plus the readiness table, shared between processes.
+
+    Build with :meth:`create` (owner) or :meth:`attach`; see the module docstring for the rules.
+    The writer side calls :meth:`begin_write` / :meth:`publish` (or :meth:`write`); the reader
+    side calls :meth:`wait_ready`, or :meth:`acquire` / :meth:`release` around a use.
+    Only one process writes slots and only one pins them.
+    """
+
+    def __init__(
+        self,
+        handle: SlotsHandle,
+        table: SharedMemory,
+        data: SharedMemory | None,
+        owner: bool,
+        storage: torch.Tensor | None = None,
+    ):
+        self.handle, self.owner = handle, owner
+        self.num_slots, self.numel = handle.num_slots, handle.numel
+        self.dtype = _dtype(handle.dtype)
+        self._table_shm, self._data_shm = table, data
+        self.table = np.ndarray(
+            (handle.num_slots, ROW_WORDS), dtype="<i8", buffer=table.buf, offset=8 * HEADER_WORDS
+        )
+        self._events: list[Any] = []
+        self.storage = self._map_storage() if storage is None else storage
+        names = [handle.table_name, handle.data_name]
+        self._unlinker = weakref.finalize(self, _unlink_all, names) if owner else None
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        name_prefix: str,
+        num_slots: int,
+        numel: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> SharedSlots:
+        """Make new shared slots (all empty); the caller owns them and unlinks them at the end.
+
+        Raises:
+            ValueError: bad sizes or prefix.
+            SharedSlotsError: a segment of that name exists already.
+        """
+        _check_prefix(name_prefix)
+        if num_slots < 1 or numel < 1:
+            raise ValueError(f"num_slots and numel must be >= 1, got {num_slots} and {numel}")
+        on_cuda = torch.device(device).type == "cuda"
+        table, data = _open(f"{name_prefix}-table", 8 * (HEADER_WORDS + ROW_WORDS * num_slots)), None
+        try:
+            data = None if on_cuda else _open(f"{name_prefix}-data", num_slots * numel * dtype.itemsize)
+            dtype_name = str(dtype).removeprefix("torch.")
+            handle = SlotsHandle(
+                name_prefix, num_slots, numel, dtype_name, _name(table), _name(data) if data else ""
+            )
+            _write_header(table, num_slots, numel, dtype.itemsize)
+            if on_cuda:
+                return _CudaSlots.create_cuda(handle, table, torch.device(device))
+            return cls(handle, table, data, owner=True)
+        except BaseException:
+            for shm in (data, table):
+                _close(shm)
+                _shm_unlink(_name(shm) if shm else "")
+            raise
+
+    @classmethod
+    def attach(cls, handle: SlotsHandle) -> SharedSlots:
+        """Map slots that another process created.
+
+        Raises:
+            SharedSlotsError: a segment is missing or does not match the handle.
+        """
+        table = _attach(handle.table_name)
+        _check_header(table, handle)
+        if handle.cuda is not None:
+            return _CudaSlots(handle, table, None, owner=False)
+        return cls(handle, table, _attach(handle.data_name), owner=False)
+
+    def _map_storage(self) -> torch.Tensor:
+        assert self._data_shm is not None
+        nbytes = self.num_slots * self.numel * self.dtype.itemsize
+        # Through uint8: torch.frombuffer reads any dtype, but a byte view also covers bf16 cleanly.
+        flat = torch.frombuffer(self._data_shm.buf, dtype=torch.uint8, count=nbytes)
+        return flat.view(self.dtype).view(self.num_slots, self.numel)
+
+    # --- writer side (transfer) ------------------------------------------------------------
+
+    def begin_write(self, slot: int) -> bool:
+        """Claim ``slot`` for writing (its sequence number turns odd); False if a reader pins it."""
+        seq = int(self.table[slot, SEQ])
+        self.table[slot, SEQ] = seq + 1
+        _fence()  # the odd number is visible before we look at the pins (Dekker with acquire())
+        if self.table[slot, PINS] > 0:
+            self.table[slot, SEQ] = seq
+            return False
+        return True
+
+    def publish(self, slot: int, key: Key | None, stream: Any = None) -> int:
+        """Finish a write begun by :meth:`begin_write`: ``key`` now sits in ``slot``.
+
+        Returns the slot's new (even) sequence number.
+        """
+        layer, expert = key if key is not None else (EMPTY, EMPTY)
+        self.table[slot, LAYER], self.table[slot, EXPERT] = layer, expert
+        self._record(slot, stream)
+        _fence()  # release: blob and key are visible before the even number
+        seq = int(self.table[slot, SEQ]) + 1
+        self.table[slot, SEQ] = seq
+        return seq
+
+    def write(self, slot: int, key: Key, blob: torch.Tensor) -> int:
+        """Copy ``blob`` into ``slot`` and publish it; returns the new sequence number.
+
+        Raises:
+            SharedSlotsError: a reader has the slot pinned.
+        """
+        if not self.begin_write(slot):
+            raise SharedSlotsError(f"slot {slot} is pinned by a reader; cannot write expert {key} into it")
+        self.storage[slot].copy_(blob.reshape(-1), non_blocking=self.storage.is_cuda)
+        return self.publish(slot, key)
+
+    def _record(self, slot: int, stream: Any) -> None:
+        """CPU: nothing (the copy is done). CUDA: see ``_CudaSlots``."""
+
+    # --- reader side (verifier) ------------------------------------------------------------
+
+    def read(self, slot: int) -> tuple[Key | None, int]:
+        """``(key, seq)`` of a stable state of ``slot``; key None while empty or being written."""
+        while True:
+            seq = int(self.table[slot, SEQ])
+            _fence()  # acquire: the key is read after the number
+            layer, expert = int(self.table[slot, LAYER]), int(self.table[slot, EXPERT])
+            _fence()
+            if int(self.table[slot, SEQ]) == seq:
+                break
+        if seq % 2 or layer == EMPTY:
+            return None, seq
+        return (layer, expert), seq
+
+    def is_current(self, slot: int, seq: int) -> bool:
+        """True while ``slot`` has not been claimed for a write since ``seq`` was read."""
+        _fence()
+        return int(self.table[slot, SEQ]) == seq
+
+    def wait_ready(self, slot: int, key: Key, seq: int = 0, timeout_s: float = 5.0) -> int:
+        """Wait until ``slot`` holds ``key`` at a sequence number >= ``seq``; returns that number.
+
+        Spins for ``SPIN_S``, then sleeps with a backoff doubling up to ``MAX_SLEEP_S``.
+
+        Raises:
+            SlotTimeout: not ready within ``timeout_s`` (says what the slot holds instead).
+        """
+        start = time.monotonic()
+        sleep = SPIN_S / 2
+        while True:
+            got, now_seq = self.read(slot)
+            if got == tuple(key) and now_seq >= seq:
+                return now_seq
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise SlotTimeout(self._not_ready(slot, key, seq, got, now_seq, timeout_s))
+            if waited > SPIN_S:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, MAX_SLEEP_S)
+
+    def acquire(self, slot: int, key: Key, seq: int = 0, timeout_s: float = 5.0) -> int:
+        """Wait for ``key`` in ``slot`` and pin it so the writer leaves it alone until :meth:`release`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = self.wait_ready(slot, key, seq, max(deadline - time.monotonic(), 0.0))
+            self.table[slot, PINS] += 1
+            _fence()  # the pin is visible before we re-read the number (Dekker with begin_write())
+            if self.is_current(slot, ready):
+                self._wait_event(slot)
+                return ready
+            self.table[slot, PINS] -= 1
+
+    def release(self, slot: int) -> None:
+        """Unpin a slot pinned by :meth:`acquire`."""
+        self.table[slot, PINS] -= 1
+
+    def _wait_event(self, slot: int) -> None:
+        """CPU: nothing. CUDA: make the current stream wait for the slot's copy."""
+
+    def _not_ready(self, slot: int, key: Key, seq: int, got: Key | None, now: int, timeout_s: float) -> str:
+        state = "being written" if now % 2 else f"holding {got}" if got else "empty"
+        return (
+            f"expert {tuple(key)} (seq >= {seq}) not ready in slot {slot} of {self.handle.prefix} "
+            f"within {timeout_s:.3f}s; the slot is {state} at seq {now}"
+        )
+
+    # --- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap this process's view (the segments stay until :meth:`unlink`)."""
+        self.storage = torch.empty(0, self.numel, dtype=self.dtype)
+        self.table = np.empty((0, ROW_WORDS), dtype="<i8")
+        self._events = []
+        for shm in (self._data_shm, self._table_shm):
+            _close(shm)
+
+    def unlink(self) -> None:
+        """Remove the segments' names (either side may; mappings stay valid until closed)."""
+        _unlink_all([self.handle.table_name, self.handle.data_name])
+        if self._unlinker is not None:
+            self._unlinker.detach()
+
+    def __enter__(self) -> SharedSlots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
+
+
+class _CudaSlots(SharedSlots):
+    """Storage on a CUDA device, shared by CUDA IPC; one interprocess event per slot.
+
+    UNTESTED on this CPU-only machine: written against torch's ``reduce_tensor`` /
+    ``rebuild_cuda_tensor`` and ``torch.cuda.Event(interprocess=True)``; tested on a lent GPU.
+    The writer records a slot's event on the copy stream before it publishes the sequence number;
+    the reader's ``acquire`` makes its current stream wait on that event, so no host sync is needed.
+    """
+
+    @classmethod
+    def create_cuda(cls, handle: SlotsHandle, table: SharedMemory, device: torch.device) -> _CudaSlots:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        dtype = _dtype(handle.dtype)
+        storage = torch.zeros(handle.num_slots, handle.numel, dtype=dtype, device=device)
+        events = [
+            torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+            for _ in range(handle.num_slots)
+        ]
+        for event in events:
+            event.record(torch.cuda.current_stream(device))  # an event needs a record before ipc_handle()
+        _, args = reduce_tensor(storage)
+        share = CudaShare(tuple(args[6:15]), [bytes(e.ipc_handle()) for e in events])
+        slots = cls(msgspec.structs.replace(handle, cuda=share), table, None, owner=True, storage=storage)
+        slots._events = events
+        return slots
+
+    def _map_storage(self) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        share = self.handle.cuda
+        assert share is not None
+        size, stride = torch.Size((self.num_slots, self.numel)), (self.numel, 1)
+        tensor = rebuild_cuda_tensor(
+            torch.Tensor, size, stride, 0, torch.storage.TypedStorage, self.dtype, *share.ipc_args
+        )
+        device = torch.device("cuda", share.ipc_args[0])
+        self._events = [torch.cuda.Event.from_ipc_handle(device, h) for h in share.slot_events]
+        return tensor
+
+    def _record(self, slot: int, stream: Any) -> None:
+        self._events[slot].record(
+            stream if stream is not None else torch.cuda.current_stream(self.storage.device)
+        )
+
+    def _wait_event(self, slot: int) -> None:
+        self._events[slot].wait(torch.cuda.current_stream(self.storage.device))
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _fence() -> None:
+    """A full memory barrier: a lock's acquire/release is an atomic read-modify-write that neither
+    the CPU nor the C compiler moves loads or stores across (docs/wire.md, "Fences")."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def _check_prefix(prefix: str) -> None:
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError(f"shared memory prefix {prefix!r}: use 4-200 letters, digits, '_', '.', '-'")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SharedSlotsError(f"unknown dtype {name!r} in a slots handle")
+    return dtype
+
+
+def _name(shm: SharedMemory) -> str:
+    return shm.name.lstrip("/")
+
+
+def _untrack(shm: SharedMemory) -> None:
+    """Before 3.13 even an attached segment is tracked, and unlinked when *this* process exits."""
+    if sys.version_info < (3, 13):
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+def _open(name: str, size: int) -> SharedMemory:
+    try:
+        shm = SharedMemory(name, create=True, size=max(size, 1))
+    except FileExistsError:
+        raise SharedSlotsError(
+            f"shared memory {name!r} exists already: use a fresh prefix (new_prefix())"
+        ) from None
+    _untrack(shm)
+    return shm
+
+
+def _attach(name: str) -> SharedMemory:
+    try:
+        shm = SharedMemory(name)
+    except FileNotFoundError:
+        raise SharedSlotsError(f"shared memory {name!r} does not exist (creator gone or unlinked?)") from None
+    _untrack(shm)
+    return shm
+
+
+def _write_header(table: SharedMemory, num_slots: int, numel: int, itemsize: int) -> None:
+    header = np.ndarray((HEADER_WORDS,), dtype="<i8", buffer=table.buf)
+    header[:5] = (MAGIC, LAYOUT_VERSION, num_slots, numel, itemsize)
+    rows = np.ndarray((num_slots, ROW_WORDS), dtype="<i8", buffer=table.buf, offset=8 * HEADER_WORDS)
+    rows[:] = (0, EMPTY, EMPTY, 0)
+    del header, rows  # release the buffer exports so that close() can unmap
+
+
+def _check_header(table: SharedMemory, handle: SlotsHandle) -> None:
+    header = np.ndarray((HEADER_WORDS,), dtype="<i8", buffer=table.buf)
+    found = tuple(int(x) for x in header[:5])
+    del header
+    want = (MAGIC, LAYOUT_VERSION, handle.num_slots, handle.numel, _dtype(handle.dtype).itemsize)
+    if found != want:
+        _close(table)
+        raise SharedSlotsError(
+            f"shared memory {handle.table_name!r} does not match its handle: {found} != {want}"
+        )
+
+
+def _close(shm: SharedMemory | None) -> None:
+    if shm is None:
+        return
+    try:
+        shm.close()
+    except BufferError:  # a view of the storage is still alive somewhere; unmapped at exit
+        log.warning("shared memory %s is still referenced; it stays mapped until those views die", shm.name)
+
+
+def _shm_unlink(name: str) -> bool:
+    """Unlink one segment; False when there is none (or it is another user's)."""
+    if not name:
+        return False
+    try:
+        _posixshmem.shm_unlink("/" + name.lstrip("/"))
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        log.warning("shared memory %s belongs to someone else; left alone", name)
+        return False
+    return True
+
+
+def _unlink_all(names: list[str]) -> None:
+    for name in names:
+        _shm_unlink(name)

@@ -1,0 +1,211 @@
+"""The wire structs: round trips, the plain-msgpack layout, validation, and a seeded fuzz."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import msgspec
+import numpy as np
+import pytest
+
+from specter import protocol as P
+
+
+def _q_row() -> P.SparseProbs:
+    row = np.zeros(50, dtype=np.float32)
+    row[[3, 7, 41]] = [0.25, 0.5, 0.25]
+    return P.SparseProbs.from_dense(row)
+
+
+SAMPLES: list[P.Message] = [
+    P.Hello(P.PROTOCOL_VERSION, "draft", 1234),
+    P.Welcome(P.PROTOCOL_VERSION, "transfer"),
+    P.PlanDelta(3, 1, [0, 2], [[1, 5], [7, 0]], [[0.75, 0.25], [0.5, 0.5]]),
+    P.DraftTokens(3, [7, 41]),
+    P.DraftTokens(4, [3, 7], [_q_row(), _q_row()], 50),
+    P.VerifyResult(3, 1, 42, [[1, 5, 6], [0, 7]], [0, 2]),
+    P.DemandRequest(3, 2, [6, 1]),
+    P.StartRequest("req-1", [1, 2, 3], 16, 0.7, 0.9, 40, 1234, 4),
+    P.StartRequest("req-2", [9], 8),
+    P.RequestDone("req-1", [4, 5], '{"tpot_s": 0.01}'),
+    P.Cancel(2),
+    P.Shutdown("bye"),
+    P.Error("verifier.layer3", "expert (3, 5) missing"),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(m) for m in SAMPLES} == set(P.MESSAGE_TYPES)
+    assert len(P.TAGS) == len(P.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: P.Message) -> None:
+    assert P.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_plain_msgpack_reads_tag_then_fields(msg: P.Message) -> None:
+    raw = msgpack.unpackb(P.encode(msg))
+    fields = [msgspec.to_builtins(getattr(msg, f), builtin_types=(bytes,)) for f in msg.__struct_fields__]
+    assert raw == [msg.__struct_config__.tag, *fields]
+
+
+def test_plain_msgpack_layout_by_hand() -> None:
+    plan = SAMPLES[2]
+    assert msgpack.unpackb(P.encode(plan)) == [
+        "plan",
+        3,
+        1,
+        [0, 2],
+        [[1, 5], [7, 0]],
+        [[0.75, 0.25], [0.5, 0.5]],
+    ]
+    draft = msgpack.unpackb(P.encode(SAMPLES[4]))
+    assert draft[:3] == ["draft", 4, [3, 7]] and draft[4] == 50
+    ids, probs = draft[3][0]
+    assert np.frombuffer(ids, "<i4").tolist() == [3, 7, 41]
+    assert np.frombuffer(probs, "<f4").tolist() == [0.25, 0.5, 0.25]
+
+
+def test_a_plain_msgpack_peer_can_write_messages() -> None:
+    assert P.decode(msgpack.packb(["demand", 1, 2, [3]])) == P.DemandRequest(1, 2, [3])
+    # trailing fields a newer peer appended are ignored; missing defaulted ones take defaults
+    assert P.decode(msgpack.packb(["cancel", 5, "new-field"])) == P.Cancel(5)
+    assert P.decode(msgpack.packb(["start", "r", [1], 4])) == P.StartRequest("r", [1], 4)
+
+
+def test_sparse_probs_round_trip_dense() -> None:
+    row = np.random.default_rng(0).dirichlet(np.ones(64)).astype(np.float32)
+    row[row < 0.01] = 0
+    assert np.array_equal(P.SparseProbs.from_dense(row).to_dense(64), row)
+
+
+BAD = {
+    "negative layer": ["plan", 0, 0, [-1], [[1]], [[1.0]]],
+    "negative expert": ["plan", 0, 0, [1], [[-3]], [[1.0]]],
+    "id too large": ["demand", 0, 1, [2**31]],
+    "NaN weight": ["plan", 0, 0, [1], [[1]], [[float("nan")]]],
+    "inf weight": ["plan", 0, 0, [1], [[1]], [[float("inf")]]],
+    "ragged plan": ["plan", 0, 0, [1, 2], [[1]], [[1.0]]],
+    "ragged experts/probs": ["plan", 0, 0, [1], [[1, 2]], [[1.0]]],
+    "ragged verify": ["verify", 0, 0, 1, [[1]], [0, 1]],
+    "bool as int": ["cancel", True],
+    "float as int": ["cancel", 1.5],
+    "string as list": ["demand", 0, 1, "abc"],
+    "empty prompt": ["start", "r", [], 4],
+    "top_p zero": ["start", "r", [1], 4, 1.0, 0.0],
+    "too many ids": ["demand", 0, 1, [0] * (P.MAX_LIST + 1)],
+    "missing field": ["demand", 0, 1],
+    "q rows != tokens": ["draft", 0, [1, 2], [[b"\0\0\0\0", b"\0\0\x80?"]], 10],
+    "q id out of vocab": ["draft", 0, [1], [[b"\x0b\0\0\0", b"\0\0\x80?"]], 10],
+    "q prob > 1": ["draft", 0, [1], [[b"\1\0\0\0", b"\0\0\0@"]], 10],
+    "q odd bytes": ["draft", 0, [1], [[b"\1\0\0", b"\0\0\x80"]], 10],
+    "token out of vocab": ["draft", 0, [10], [[b"\1\0\0\0", b"\0\0\x80?"]], 10],
+    "stats not JSON": ["done", "r", [1], "{oops"],
+    "stats not object": ["done", "r", [1], "[1]"],
+    "map not array": {"tag": "cancel", "round": 1},
+    "empty array": [],
+    "tag not string": [7, 1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_invalid_messages_raise_protocol_error(name: str) -> None:
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(msgpack.packb(BAD[name]))
+    assert info.value.reason == P.MALFORMED
+
+
+def test_unknown_tag_and_oversize_frame() -> None:
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(msgpack.packb(["teleport", 1]))
+    assert info.value.reason == P.UNKNOWN
+    with pytest.raises(P.ProtocolError, match="exceeds the cap"):
+        P.decode(P.encode(P.Cancel(1)), max_bytes=2)
+
+
+def test_check_version() -> None:
+    P.check_version(P.Hello(P.PROTOCOL_VERSION, "draft", 1))
+    with pytest.raises(P.VersionMismatch, match=r"'draft' \(pid 7\) speaks version 99") as info:
+        P.check_version(P.Hello(99, "draft", 7))
+    assert info.value.reason == P.WRONG_VERSION
+
+
+def test_encode_refuses_non_messages() -> None:
+    with pytest.raises(TypeError):
+        P.encode(_q_row())  # type: ignore[arg-type]
+
+
+# --- fuzz ------------------------------------------------------------------------------------
+
+VALID_FRAMES = [P.encode(m) for m in SAMPLES]
+
+
+def _random_bytes(rng: random.Random) -> bytes:
+    return rng.randbytes(rng.randrange(0, 64))
+
+
+def _truncated(rng: random.Random) -> bytes:
+    frame = rng.choice(VALID_FRAMES)
+    return frame[: rng.randrange(0, len(frame))]
+
+
+def _bit_flipped(rng: random.Random) -> bytes:
+    frame = bytearray(rng.choice(VALID_FRAMES))
+    for _ in range(rng.randrange(1, 4)):
+        frame[rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
+    return bytes(frame)
+
+
+def _wrong_types(rng: random.Random) -> bytes:
+    raw = msgpack.unpackb(rng.choice(VALID_FRAMES))
+    i = rng.randrange(1, len(raw)) if len(raw) > 1 else 0
+    raw[i] = rng.choice([None, "x", -1, 2**40, 1.5, [None], {"a": 1}, b"\xff", [[-1]], True])
+    return msgpack.packb(raw)
+
+
+def _huge_lengths(rng: random.Random) -> bytes:
+    header = rng.choice([b"\xdd", b"\xdc", b"\xdb", b"\xc6", b"\xdf"])  # array32/16, str32, bin32, map32
+    size = rng.choice([2**32 - 1, 2**31, 65535, 10**9]) % (1 << (16 if header == b"\xdc" else 32))
+    body = size.to_bytes(2 if header == b"\xdc" else 4, "big")
+    return rng.choice([b"", b"\x92\xa6demand"]) + header + body + rng.randbytes(rng.randrange(0, 16))
+
+
+def _unknown_tag(rng: random.Random) -> bytes:
+    return msgpack.packb([rng.choice(["", "planx", "HELLO", "\u00e9", "x" * 300]), 1, [2]])
+
+
+def _out_of_range(rng: random.Random) -> bytes:
+    bad = rng.choice([-1, -(2**63), 2**31, 2**64 - 1])
+    return msgpack.packb(
+        rng.choice(
+            [
+                ["plan", 0, 0, [bad], [[1]], [[0.5]]],
+                ["plan", 0, 0, [1], [[bad]], [[0.5]]],
+                ["demand", bad, 1, [2]],
+                ["verify", 0, 0, bad, [[1]], [1]],
+                ["draft", 0, [bad]],
+                ["hello", bad, "draft", 1],
+            ]
+        )
+    )
+
+
+FUZZERS = [_random_bytes, _truncated, _bit_flipped, _wrong_types, _huge_lengths, _unknown_tag, _out_of_range]
+
+
+def test_fuzz_decode_never_raises_anything_but_protocol_error() -> None:
+    rng = random.Random(1234)
+    outcomes = {"ok": 0, P.MALFORMED: 0, P.UNKNOWN: 0}
+    for _ in range(20_000):
+        frame = rng.choice(FUZZERS)(rng)
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError as exc:
+            outcomes[exc.reason] += 1
+            continue
+        assert isinstance(msg, P.MESSAGE_TYPES)
+        outcomes["ok"] += 1
+    assert outcomes[P.MALFORMED] > 10_000 and outcomes[P.UNKNOWN] > 1000

@@ -1,0 +1,257 @@
+"""Shared slots: one storage seen by two processes without copies, seqlock readiness, no leaks."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from multiprocessing.shared_memory import SharedMemory
+
+import msgspec
+import pytest
+import torch
+
+from specter.experts.shm import (
+    SharedSlots,
+    SharedSlotsError,
+    SlotsHandle,
+    SlotTimeout,
+    new_prefix,
+    unlink_prefix,
+)
+
+NUMEL = 4096
+
+# The other process. "peer": write slot 0, read slot 1 written by the parent, then rewrite slot 2
+# as fast as it can for half a second. "own": create two pools, print their handles, wait to be killed.
+# "pong": answer each publication of slot 0 by one of slot 1 (latency script below).
+CHILD = textwrap.dedent(
+    """
+    import sys, time, msgspec, torch
+    from specter.experts.shm import SharedSlots, SlotsHandle
+    mode, arg = sys.argv[1], sys.argv[2]
+    if mode == "own":
+        pools = [SharedSlots.create(prefix, 2, 64, torch.float32) for prefix in arg.split(",")]
+        for slots in pools:  # (kept referenced: an owner that is garbage-collected unlinks)
+            slots.write(1, (4, 2), torch.full((64,), 42.0))
+            print(msgspec.json.encode(slots.handle).decode(), flush=True)
+        time.sleep(60)
+    slots = SharedSlots.attach(msgspec.json.decode(arg, type=SlotsHandle))
+    if mode == "pong":
+        blob = torch.zeros(slots.numel, dtype=slots.dtype)
+        for i in range(1, 1 << 62):
+            slots.wait_ready(0, (0, i), timeout_s=10)
+            slots.write(1, (0, i), blob)
+    n, dev = slots.numel, slots.storage.device
+    slots.write(0, (1, 2), (torch.arange(n) % 100).to(slots.dtype).to(dev))
+    slots.acquire(1, (5, 6), timeout_s=30)
+    assert torch.equal(slots.storage[1].cpu(), torch.full((n,), 7, dtype=slots.dtype))
+    slots.release(1)
+    print("read-ok", flush=True)
+    i, end = 0, time.monotonic() + 0.5
+    while time.monotonic() < end:
+        i += 1
+        slots.write(2, (0, i), torch.full((n,), float(i % 128), dtype=slots.dtype, device=dev))
+    print("stress", i, flush=True)
+    slots.close()
+    """
+)
+
+
+def _child(mode: str, arg: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", CHILD, mode, arg], stdout=subprocess.PIPE, text=True)
+
+
+def _segments(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def _buffer_address(slots: SharedSlots) -> int:
+    assert slots._data_shm is not None
+    cell = ctypes.c_char.from_buffer(slots._data_shm.buf)
+    address = ctypes.addressof(cell)
+    del cell
+    return address
+
+
+def _torn_reads(slots: SharedSlots, child: subprocess.Popen[str]) -> tuple[int, int]:
+    """Read slot 2 while the child rewrites it: (consistent reads, reads whose data disagreed)."""
+    good = torn = 0
+    while child.poll() is None:
+        key, seq = slots.read(2)
+        data = slots.storage[2].clone()
+        if key is None or not slots.is_current(2, seq):
+            continue  # being written: a seqlock reader retries
+        good += 1
+        torn += int(not torch.all(data == float(key[1] % 128)))
+    return good, torn
+
+
+def test_two_processes_share_slots_without_copies() -> None:
+    prefix = new_prefix("spt-test")
+    slots = SharedSlots.create(prefix, 3, NUMEL, torch.bfloat16)
+    ptr = slots.storage.data_ptr()
+    assert ptr == _buffer_address(slots)  # the tensor IS the shared mapping, no copy
+    child = _child("peer", msgspec.json.encode(slots.handle).decode())
+    try:
+        seq = slots.wait_ready(0, (1, 2), timeout_s=60)
+        assert seq == 2 and slots.storage.data_ptr() == ptr
+        assert torch.equal(slots.storage[0], (torch.arange(NUMEL) % 100).to(torch.bfloat16))
+        slots.write(1, (5, 6), torch.full((NUMEL,), 7, dtype=torch.bfloat16))
+        assert child.stdout is not None and child.stdout.readline().strip() == "read-ok"
+        good, torn = _torn_reads(slots, child)
+        assert child.wait(30) == 0
+        assert torn == 0 and good > 0, (good, torn)
+        print(f"seqlock stress: {good} consistent reads, {torn} torn")
+        assert int(child.stdout.readline().split()[1]) > 10  # the writer got many rounds in
+    finally:
+        child.kill()
+        slots.close()
+        slots.unlink()
+    assert _segments(prefix) == []
+
+
+def test_no_leak_after_the_creator_is_killed() -> None:
+    first, second = new_prefix("spt-kill"), new_prefix("spt-kill")
+    child = _child("own", f"{first},{second}")
+    try:
+        assert child.stdout is not None
+        handles = [msgspec.json.decode(child.stdout.readline(), type=SlotsHandle) for _ in range(2)]
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        _check_killed_creator_cleanup(first, second, handles)
+    finally:
+        child.kill()
+        for prefix in (first, second):
+            unlink_prefix(prefix)
+
+
+def _check_killed_creator_cleanup(first: str, second: str, handles: list[SlotsHandle]) -> None:
+    assert len(_segments(first)) == 2 and len(_segments(second)) == 2  # a SIGKILL leaks them
+    survivor = SharedSlots.attach(handles[0])  # the attach side can still read, and clean up
+    assert survivor.read(1)[0] == (4, 2) and torch.all(survivor.storage[1] == 42)
+    survivor.close()
+    survivor.unlink()
+    assert _segments(first) == []
+    assert sorted(unlink_prefix(second)) == _expected_names(second)
+    assert _segments(second) == []
+
+
+def _expected_names(prefix: str) -> list[str]:
+    return [f"{prefix}-data", f"{prefix}-table"]
+
+
+@pytest.fixture
+def pool() -> Iterator[SharedSlots]:
+    slots = SharedSlots.create(new_prefix("spt-test"), 4, 16, torch.float32)
+    yield slots
+    slots.close()
+    slots.unlink()
+    assert _segments(slots.handle.prefix) == []
+
+
+def test_attach_in_process_sees_writes_both_ways(pool: SharedSlots) -> None:
+    handle = msgspec.msgpack.decode(msgspec.msgpack.encode(pool.handle), type=SlotsHandle)
+    other = SharedSlots.attach(handle)
+    assert other.storage.data_ptr() != pool.storage.data_ptr()  # a second mapping of one memory
+    pool.write(3, (2, 9), torch.arange(16.0))
+    assert other.read(3) == ((2, 9), 2) and torch.equal(other.storage[3], torch.arange(16.0))
+    other.storage[0].fill_(5.0)
+    assert torch.all(pool.storage[0] == 5.0)
+    other.close()
+
+
+def test_wait_ready_waits_for_a_newer_sequence_and_times_out_clearly(pool: SharedSlots) -> None:
+    seq = pool.write(1, (0, 3), torch.ones(16))
+    assert pool.wait_ready(1, (0, 3), seq) == seq
+    t0 = time.monotonic()
+    with pytest.raises(
+        SlotTimeout, match=r"expert \(0, 3\) \(seq >= 4\) not ready in slot 1 .* holding \(0, 3\)"
+    ):
+        pool.wait_ready(1, (0, 3), seq + 2, timeout_s=0.05)
+    assert time.monotonic() - t0 < 1.0
+    assert pool.begin_write(1)
+    with pytest.raises(SlotTimeout, match="being written"):
+        pool.wait_ready(1, (0, 3), timeout_s=0.01)
+    assert pool.publish(1, None) == seq + 2 and pool.read(1) == (None, seq + 2)
+
+
+def test_a_pinned_slot_is_not_overwritten(pool: SharedSlots) -> None:
+    pool.write(2, (1, 1), torch.ones(16))
+    seq = pool.acquire(2, (1, 1))
+    with pytest.raises(SharedSlotsError, match="pinned"):
+        pool.write(2, (1, 4), torch.zeros(16))
+    assert pool.is_current(2, seq) and torch.all(pool.storage[2] == 1)
+    pool.release(2)
+    pool.write(2, (1, 4), torch.zeros(16))
+    assert pool.read(2)[0] == (1, 4)
+
+
+def test_bad_names_and_handles_are_clear_errors(pool: SharedSlots) -> None:
+    with pytest.raises(SharedSlotsError, match="exists already"):
+        SharedSlots.create(pool.handle.prefix, 1, 1, torch.float32)
+    taken = new_prefix("spt-taken")
+    squatter = SharedMemory(f"{taken}-data", create=True, size=8)
+    try:
+        with pytest.raises(SharedSlotsError, match="exists already"):
+            SharedSlots.create(taken, 1, 1, torch.float32)
+        assert _segments(taken) == [f"{taken}-data"]  # the failed create removed the table it made
+    finally:
+        squatter.close()
+        squatter.unlink()
+    with pytest.raises(SharedSlotsError, match="does not exist"):
+        SharedSlots.attach(msgspec.structs.replace(pool.handle, table_name=new_prefix("spt-none")))
+    with pytest.raises(SharedSlotsError, match="does not match"):
+        SharedSlots.attach(msgspec.structs.replace(pool.handle, numel=17))
+    with pytest.raises(ValueError, match="prefix"):
+        SharedSlots.create("../x", 1, 1, torch.float32)
+    with pytest.raises(ValueError, match="prefix"):
+        unlink_prefix("")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_slots_shared_with_another_process() -> None:
+    slots = SharedSlots.create(new_prefix("spt-cuda"), 3, NUMEL, torch.bfloat16, device="cuda")
+    child = _child("peer", msgspec.json.encode(slots.handle).decode())
+    try:
+        slots.acquire(0, (1, 2), timeout_s=60)
+        assert torch.equal(slots.storage[0].cpu(), (torch.arange(NUMEL) % 100).to(torch.bfloat16))
+        slots.release(0)
+        slots.write(1, (5, 6), torch.full((NUMEL,), 7, dtype=torch.bfloat16, device="cuda"))
+        assert child.stdout is not None and child.stdout.readline().strip() == "read-ok"
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+    slots.close()
+    slots.unlink()
+
+
+def measure_publish_to_ready(n: int) -> list[float]:
+    """Sorted seconds from publishing slot 0 here to seeing the peer's answer in slot 1."""
+    slots = SharedSlots.create(new_prefix("spt-pong"), 2, NUMEL, torch.bfloat16)
+    child = _child("pong", msgspec.json.encode(slots.handle).decode())
+    blob, times = torch.zeros(NUMEL, dtype=torch.bfloat16), []
+    try:
+        for i in range(1, n + 1):
+            t0 = time.perf_counter()
+            slots.write(0, (0, i), blob)
+            slots.wait_ready(1, (0, i), timeout_s=60)
+            times.append(time.perf_counter() - t0)
+    finally:
+        child.kill()
+        slots.close()
+        slots.unlink()
+    return sorted(times[100:])
+
+
+if __name__ == "__main__":
+    t = measure_publish_to_ready(int(sys.argv[1]) if len(sys.argv) > 1 else 5000)
+    pct = {p: t[min(int(p / 100 * len(t)), len(t) - 1)] * 1e6 for p in (50, 90, 99)}
+    print(
+        f"shm ping-pong (write 8 KiB + publish, peer waits and answers): p50 {pct[50]:.0f} µs, p90 {pct[90]:.0f} µs, p99 {pct[99]:.0f} µs"
+    )

@@ -84,7 +84,7 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
             for policy in config.policies:  # interleaved: machine noise hits every policy alike
                 window = config.windows.get(policy, POLICIES[policy].default_window)
                 use_draft = draft if policy in DRAFT_POLICIES else None
-                engine = Engine(targets[policy], use_draft, window if use_draft else 0)
+                engine = Engine(targets[policy], use_draft, window if use_draft else 0, untimed_prefill=True)
                 _, stats = engine.generate_fresh(prompt, config.new_tokens)
                 runs[policy].append(stats.to_dict())
             if progress:

@@ -10,7 +10,8 @@ Two shipped models (see ``specter/assets/``):
 
 Everything is offline and deterministic: the corpus is the ``.py`` sources of this interpreter's
 standard library (sorted by path, split by file), the tokenizer is a byte-level BPE trained on the
-train split, seeds and data order are fixed and torch runs on two threads.
+train split, seeds and data order are fixed and torch uses a fixed number of threads (``--threads``,
+default 1: see ``DEFAULT_THREADS``).
 
 The loss is next-token cross-entropy plus a *per-layer* Switch-style load-balance term
 (``E * sum_e f_e * P_e`` computed for each layer separately, then averaged over layers); router
@@ -22,25 +23,27 @@ A model card (``README.md``) and ``training_report.json`` are written next to th
 
 Examples::
 
-    python scripts/train_small_moe.py --model fine --out specter/assets/moe-fine --write-prompts
+    python scripts/train_small_moe.py --model fine --out specter/assets/moe-fine \
+        --write-prompts specter/assets/prompts
     python scripts/train_small_moe.py --model coarse --out specter/assets/moe-coarse
-    python scripts/train_small_moe.py --model fine --out /tmp/fine --steps 20   # smoke run
+    python scripts/train_small_moe.py --prompts-only                          # prompt files only
+    python scripts/train_small_moe.py --model fine --out /tmp/fine --steps 20  # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
-import os
 import platform
 import shlex
 import sys
 import sysconfig
 import time
 import tokenize
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,10 +68,14 @@ VOCAB_SIZE = 4096
 HELDOUT_EVERY = 20  # file i (in sorted order) is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 # Directories left out of the corpus: third-party code, test suites, generated codec tables
 # (encodings/) and the 750 KB English documentation dump (pydoc_data/).
-EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"})
+EXCLUDED_DIRS = frozenset(
+    {"site-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
+)
 WINDOWS = (1, 2, 4, 8, 16)
 LOAD_LOW, LOAD_HIGH = 0.25, 4.0  # allowed expert load, as a multiple of uniform (1/E)
-NUM_THREADS = 2
+# One torch thread by default: on a 2-core machine that something else also uses, two OpenMP threads
+# stall at every parallel region behind a descheduled thread (measured 3-10x slower than one thread).
+DEFAULT_THREADS = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,19 +181,28 @@ def extract_prompt(lines: list[str], start: int, tok: PreTrainedTokenizerFast, m
     return prompt
 
 
+def definition_lines(source: str) -> list[int]:
+    """0-based line numbers of every ``def``/``class`` statement (decorators excluded), in order."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    nodes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return sorted({n.lineno - 1 for n in ast.walk(tree) if isinstance(n, nodes)})
+
+
 def heldout_prompts(
     corpus: Corpus, tok: PreTrainedTokenizerFast, per_file: int = 2, min_tokens: int = 8, max_tokens: int = 32
 ) -> list[dict[str, str]]:
-    """Up to ``per_file`` prompts per held-out file, each starting at a ``def``/``class`` line."""
+    """Up to ``per_file`` prompts per held-out file, each starting at a real ``def``/``class`` line."""
     prompts: list[dict[str, str]] = []
     for path in corpus.heldout_files:
-        lines = read_source(path).splitlines(keepends=True)
+        source = read_source(path)
+        lines = source.splitlines(keepends=True)
         taken = 0
-        for i, line in enumerate(lines):
+        for i in definition_lines(source):
             if taken >= per_file:
                 break
-            if not line.lstrip().startswith(("def ", "class ", "async def ")):
-                continue
             prompt = extract_prompt(lines, i, tok, max_tokens)
             if len(tok.encode(prompt, add_special_tokens=False)) >= min_tokens:
                 prompts.append({"id": f"{corpus.rel(path)}:{i + 1}", "prompt": prompt})
@@ -195,15 +211,23 @@ def heldout_prompts(
 
 
 def calibration_text(corpus: Corpus, target_bytes: int = 64 * 1024, pieces: int = 32) -> str:
-    """About ``target_bytes`` of train-split text: ``pieces`` line-aligned excerpts from evenly spaced files."""
-    step = max(1, len(corpus.train_files) // pieces)
+    """About ``target_bytes`` of train-split text: line-aligned excerpts of at most ``target_bytes / pieces``
+    bytes from evenly spaced train files (each from a third of the way in, past the header), until full."""
     per_piece = target_bytes // pieces
+    step = max(1, len(corpus.train_files) // pieces)
+    order = [p for offset in range(step) for p in corpus.train_files[offset::step]]
     out: list[str] = []
-    for path in corpus.train_files[::step][:pieces]:
+    size = 0
+    for path in order:
+        if size >= target_bytes:
+            break
         text = read_source(path)
-        start = text.find("\n", len(text) // 3) + 1  # skip the license/docstring header
-        excerpt = text[start : start + per_piece]
-        out.append(excerpt[: excerpt.rfind("\n") + 1])
+        start = text.find("\n", len(text) // 3) + 1
+        excerpt = text[start : start + min(per_piece, target_bytes - size)]
+        excerpt = excerpt[: excerpt.rfind("\n") + 1]
+        if excerpt.strip():
+            out.append(excerpt)
+            size += len(excerpt.encode("utf-8")) + 1
     return "\n".join(out)
 
 
@@ -243,8 +267,10 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "coarse": Recipe(name="coarse", steps=1500, batch_size=8, seq_len=256, lr=2e-3, warmup=100, balance_coef=0.05),
-    "fine": Recipe(name="fine", steps=1500, batch_size=8, seq_len=256, lr=2e-3, warmup=100, balance_coef=0.05),
+    "coarse": Recipe(
+        name="coarse", steps=800, batch_size=4, seq_len=256, lr=3e-3, warmup=50, balance_coef=0.05
+    ),
+    "fine": Recipe(name="fine", steps=900, batch_size=4, seq_len=256, lr=3e-3, warmup=50, balance_coef=0.2),
 }
 
 
@@ -268,7 +294,7 @@ def build_config(kind: str, tok: PreTrainedTokenizerFast) -> PretrainedConfig:
     if kind == "coarse":
         return MixtralConfig(
             num_hidden_layers=4,
-            intermediate_size=640,
+            intermediate_size=512,
             num_local_experts=8,
             num_experts_per_tok=2,
             **common,
@@ -278,10 +304,10 @@ def build_config(kind: str, tok: PreTrainedTokenizerFast) -> PretrainedConfig:
             num_hidden_layers=4,
             intermediate_size=512,  # unused: every layer is sparse (decoder_sparse_step=1)
             moe_intermediate_size=64,
-            shared_expert_intermediate_size=512,
+            shared_expert_intermediate_size=256,
             num_experts=64,
             num_experts_per_tok=4,
-            norm_topk_prob=False,  # as Qwen1.5-MoE: routed weights are the raw softmax probabilities
+            norm_topk_prob=True,  # top-k weights sum to 1 (as Qwen3-MoE); with raw probs experts learn ~E/k x slower
             decoder_sparse_step=1,
             mlp_only_layers=[],
             **common,
@@ -315,7 +341,7 @@ class RouterCapture:
             self.indices.append(None)
             self._handles.append(layer.mlp.gate.register_forward_hook(self._hook(i)))
 
-    def _hook(self, layer: int):  # noqa: ANN202 - a torch hook closure
+    def _hook(self, layer: int) -> Callable[[torch.nn.Module, tuple, tuple], None]:
         def hook(_module: torch.nn.Module, _inputs: tuple, output: tuple) -> None:
             logits, _scores, indices = output
             self.logits[layer] = logits
@@ -365,7 +391,7 @@ def batches(tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> I
             yield tokens[idx]
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):  # noqa: ANN201 - LambdaLR callback
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Linear warmup to 1, then cosine down to ``min_ratio``."""
 
     def f(step: int) -> float:
@@ -470,7 +496,7 @@ class EvalStats:
 
     def gates_ok(self) -> bool:
         """Every expert of every layer within [LOAD_LOW, LOAD_HIGH] x uniform."""
-        return all(LOAD_LOW <= lo and hi <= LOAD_HIGH for lo, hi in self.load_ratios())
+        return all(lo >= LOAD_LOW and hi <= LOAD_HIGH for lo, hi in self.load_ratios())
 
 
 @torch.no_grad()
@@ -508,7 +534,9 @@ def evaluate(model: PreTrainedModel, tokens: torch.Tensor, seq_len: int, batch_s
             used = (csum[:, w:] - csum[:, :-w]) > 0  # (n_seq, seq_len - w + 1, E)
             distinct[w].append(used.sum(dim=-1).double().mean().item())
     loss = total_nll / n_tok
-    return EvalStats(loss=loss, perplexity=math.exp(loss), tokens=n_tok, loads=loads, distinct_per_window=distinct)
+    return EvalStats(
+        loss=loss, perplexity=math.exp(loss), tokens=n_tok, loads=loads, distinct_per_window=distinct
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,6 +556,9 @@ def save_model(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out: Path) 
     )
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    for path in out.iterdir():  # safetensors writes 0600; the files ship inside the package
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def sha256(path: Path) -> str:
@@ -627,10 +658,14 @@ def command_line() -> str:
 
 def render_card(report: dict) -> str:
     """The model card (markdown) for ``report``."""
-    cfg, data, tr, ho = report["config"], report["data"], report["training"], report["heldout"]
-    load = report["expert_load"]
+    return "\n".join(_card_setup(report) + _card_results(report))
+
+
+def _card_setup(report: dict) -> list[str]:
+    """Card sections: config, data, training."""
+    cfg, data, tr = report["config"], report["data"], report["training"]
     e, k = report["num_experts"], report["top_k"]
-    lines = [
+    return [
         f"# Specter small MoE: `{report['model']}` ({report['architecture']})",
         "",
         "A small mixture-of-experts language model of Python source code, trained by the Specter project",
@@ -667,7 +702,10 @@ def render_card(report: dict) -> str:
         "",
         f"* {tr['steps']} steps of batch {tr['recipe']['batch_size']} x {tr['recipe']['seq_len']} tokens "
         f"({tr['tokens_seen']:,} tokens, {tr['epochs']:.2f} epochs), {tr['seconds'] / 60:.1f} min on "
-        f"{tr['threads']} CPU threads, fp32, seed {tr['seed']}.",
+        f"{tr['threads']} CPU thread(s), fp32, seed {tr['seed']}; {tr['wall_seconds_total'] / 60:.1f} min wall "
+        "clock for the whole command (tokenizer, training, evaluation).",
+        "* Budget: ~15 min of one core of a shared 2-core CPU per model, so the model is undertrained: it has "
+        "learned, balanced routing for expert-offloading studies, not the skill to write good code.",
         f"* AdamW (betas 0.9/0.95, weight decay {tr['recipe']['weight_decay']}), peak lr {tr['recipe']['lr']}, "
         f"{tr['recipe']['warmup']} warmup steps, cosine to {tr['recipe']['min_lr_ratio']} x peak, "
         f"grad clip {tr['recipe']['grad_clip']}.",
@@ -675,7 +713,18 @@ def render_card(report: dict) -> str:
         "(`E * sum_e f_e * P_e` per layer from hooks on each router, averaged over layers).",
         f"* Final train loss (mean of last 50 steps): {tr['final_train_loss']:.4f}; balance term "
         f"{tr['final_balance_aux']:.4f} (1.0 = uniform).",
+        "* Prompt files shared by both models (`../prompts/`, written by `--write-prompts`): `heldout.jsonl`, "
+        "8-32-token prompts cut at line boundaries from `def`/`class` lines of the held-out files; "
+        "`calibration.txt`, ~64 KiB of train-split excerpts for the AWQ draft's calibration.",
         "",
+    ]
+
+
+def _card_results(report: dict) -> list[str]:
+    """Card sections: held-out results, expert loads, distinct experts per window, how to reproduce."""
+    cfg, tr, ho, load = report["config"], report["training"], report["heldout"], report["expert_load"]
+    e = report["num_experts"]
+    lines = [
         "## Held-out results",
         "",
         f"* Loss {ho['loss']:.4f} nats/token, perplexity {ho['perplexity']:.2f} over {ho['tokens_evaluated']:,} "
@@ -702,7 +751,9 @@ def render_card(report: dict) -> str:
         "| --- " * (cfg["num_hidden_layers"] + 2) + "|",
     ]
     for w, row in report["distinct_experts_per_window"].items():
-        lines.append(f"| {w} | " + " | ".join(f"{v:.2f}" for v in row["per_layer"]) + f" | {row['mean']:.2f} |")
+        lines.append(
+            f"| {w} | " + " | ".join(f"{v:.2f}" for v in row["per_layer"]) + f" | {row['mean']:.2f} |"
+        )
     lines += [
         "",
         "## Reproduce",
@@ -715,7 +766,7 @@ def render_card(report: dict) -> str:
         "the loss curve: `training_report.json`.",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -726,10 +777,11 @@ def render_card(report: dict) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, choices=sorted(RECIPES), help="which model to train")
-    p.add_argument("--out", required=True, type=Path, help="output folder (weights, tokenizer, card, report)")
+    p.add_argument("--model", choices=sorted(RECIPES), help="which model to train")
+    p.add_argument("--out", type=Path, help="output folder (weights, tokenizer, card, report)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads (part of the recipe)")
     p.add_argument("--balance-coef", type=float, default=None, help="per-layer balance loss coefficient")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step")
@@ -742,9 +794,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also (re)write heldout.jsonl and calibration.txt into this folder "
         "(default when given without a value: specter/assets/prompts)",
     )
+    p.add_argument(
+        "--prompts-only",
+        action="store_true",
+        help="train the tokenizer, write the prompt files (--write-prompts, default specter/assets/prompts) "
+        "and the tokenizer (into --out if given), then stop without training a model",
+    )
     args = p.parse_args(argv)
+    if args.prompts_only:
+        args.write_prompts = args.write_prompts or Path("specter/assets/prompts")
+    elif args.model is None or args.out is None:
+        p.error("--model and --out are required (unless --prompts-only)")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
     return args
 
 
@@ -760,55 +824,92 @@ def recipe_for(args: argparse.Namespace) -> Recipe:
     return Recipe(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
 
 
-def set_determinism(seed: int) -> None:
+def set_determinism(seed: int, threads: int) -> None:
     """Fixed seeds and thread count."""
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(threads)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@dataclass
+class Data:
+    """Corpus, tokenizer and the two token streams."""
+
+    corpus: Corpus
+    tok: PreTrainedTokenizerFast
+    train_tokens: torch.Tensor
+    heldout_tokens: torch.Tensor
+
+    def counts(self) -> dict[str, int]:
+        """Token counts of the two splits."""
+        return {"train": len(self.train_tokens), "heldout": len(self.heldout_tokens)}
+
+
+def load_data() -> Data:
+    """Find the corpus, train the tokenizer and tokenize both splits."""
+    corpus = find_corpus(stdlib_root())
+    train_texts = [read_source(p) for p in corpus.train_files]
+    heldout_texts = [read_source(p) for p in corpus.heldout_files]
+    print(
+        f"corpus: {len(train_texts)} train / {len(heldout_texts)} held-out files under {corpus.root}",
+        flush=True,
+    )
+    tok = train_tokenizer(train_texts)
+    check_round_trip(tok, heldout_texts[:5])
+    data = Data(corpus, tok, encode_files(tok, train_texts), encode_files(tok, heldout_texts))
+    counts = data.counts()
+    print(
+        f"tokens: {counts['train']:,} train / {counts['heldout']:,} held-out (vocab {len(tok)})", flush=True
+    )
+    return data
+
+
+def print_summary(ev: EvalStats, fp32_loss: float, report: dict) -> None:
+    """Held-out figures on stdout."""
+    print(
+        f"held-out loss {ev.loss:.4f} (ppl {ev.perplexity:.2f}); fp32 before cast {fp32_loss:.4f}", flush=True
+    )
+    for i, (lo, hi) in enumerate(ev.load_ratios()):
+        print(f"layer {i}: expert load min {lo:.2f}x max {hi:.2f}x uniform", flush=True)
+    for w, v in ev.distinct_per_window.items():
+        print(f"window {w:2d}: {_mean(v):.2f} distinct experts per layer", flush=True)
+    print(
+        f"weights {report['weights_file_bytes'] / 1e6:.1f} MB; wall {report['training']['wall_seconds_total'] / 60:.1f} min",
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Train, save, evaluate and document one model; non-zero exit if a quality gate fails."""
     args = parse_args(argv)
-    recipe = recipe_for(args)
-    set_determinism(args.seed)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-
-    corpus = find_corpus(stdlib_root())
-    train_texts = [read_source(p) for p in corpus.train_files]
-    heldout_texts = [read_source(p) for p in corpus.heldout_files]
-    print(f"corpus: {len(train_texts)} train / {len(heldout_texts)} held-out files under {corpus.root}", flush=True)
-    tok = train_tokenizer(train_texts)
-    check_round_trip(tok, heldout_texts[:5])
-    train_tokens = encode_files(tok, train_texts)
-    heldout_tokens = encode_files(tok, heldout_texts)
-    counts = {"train": len(train_tokens), "heldout": len(heldout_tokens)}
-    print(f"tokens: {counts['train']:,} train / {counts['heldout']:,} held-out (vocab {len(tok)})", flush=True)
+    set_determinism(args.seed, args.threads)
+    wall0 = time.perf_counter()
+    data = load_data()
     if args.write_prompts is not None:
-        sizes = write_prompt_files(corpus, tok, args.write_prompts)
+        sizes = write_prompt_files(data.corpus, data.tok, args.write_prompts)
         print(f"prompt files written to {args.write_prompts}: {sizes}", flush=True)
+    if args.prompts_only:
+        if args.out is not None:
+            data.tok.save_pretrained(args.out)
+            print(f"tokenizer written to {args.out}", flush=True)
+        return 0
 
+    recipe = recipe_for(args)
     torch.manual_seed(args.seed)
-    model = build_model(build_config(args.model, tok))
+    model = build_model(build_config(args.model, data.tok))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {type(model).__name__}, {n_params:,} parameters; recipe {recipe}", flush=True)
-    stats = train(model, train_tokens, recipe, recipe.steps, args.seed)
-    fp32_loss = evaluate(model, heldout_tokens, recipe.seq_len).loss
+    print(f"model: {type(model).__name__}, {n_params:,} parameters; {recipe}", flush=True)
+    stats = train(model, data.train_tokens, recipe, recipe.steps, args.seed)
+    fp32_loss = evaluate(model, data.heldout_tokens, recipe.seq_len).loss
 
-    save_model(model, tok, args.out)
+    save_model(model, data.tok, args.out)
     shipped = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
-    ev = evaluate(shipped, heldout_tokens, recipe.seq_len)
-    report = build_report(args, recipe, shipped, corpus, counts, stats, fp32_loss, ev, args.out)
+    ev = evaluate(shipped, data.heldout_tokens, recipe.seq_len)
+    report = build_report(args, recipe, shipped, data.corpus, data.counts(), stats, fp32_loss, ev, args.out)
+    report["training"]["wall_seconds_total"] = round(time.perf_counter() - wall0, 1)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (args.out / "README.md").write_text(render_card(report), encoding="utf-8")
-
-    ratios = ev.load_ratios()
-    print(f"held-out loss {ev.loss:.4f} (ppl {ev.perplexity:.2f}); fp32 before cast {fp32_loss:.4f}", flush=True)
-    for i, (lo, hi) in enumerate(ratios):
-        print(f"layer {i}: expert load min {lo:.2f}x max {hi:.2f}x uniform", flush=True)
-    for w, v in ev.distinct_per_window.items():
-        print(f"window {w:2d}: {_mean(v):.2f} distinct experts per layer", flush=True)
-    print(f"saved to {args.out} ({report['weights_file_bytes'] / 1e6:.1f} MB)", flush=True)
+    print_summary(ev, fp32_loss, report)
     if not ev.gates_ok():
         print(
             f"GATE FAILED: some expert load is outside {LOAD_LOW}x..{LOAD_HIGH}x uniform; "
@@ -816,6 +917,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    print(f"saved to {args.out}; all gates passed", flush=True)
     return 0
 
 

@@ -56,12 +56,16 @@ class OffloadedTarget:
             link: how experts move (a config, or a ready link to share).
             policy: a policy name or instance.
             device: ``cuda``/``cpu``; default cuda when available.
-            dtype: compute dtype; default the checkpoint's.
+            dtype: compute dtype; default fp32 on a CPU (see below), the checkpoint's on a GPU.
             timeout: seconds before a transfer that never lands is an error.
             memory: device memory to plan (used when ``budget`` is None).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         policy = make_policy(policy) if isinstance(policy, str) else policy
+        if dtype is None and device.type == "cpu":
+            # In bf16 the one-pass verify of K+1 positions and one-token decoding round differently,
+            # and near-tied argmaxes flip; in fp32 they agree, so speculation stays token-identical.
+            dtype = torch.float32
         loaded = build_dense(model_dir, dtype)
         plan = None
         if budget is None:

@@ -1,0 +1,396 @@
+"""Draft fidelity: how closely a draft's routing and tokens follow the target's.
+
+Both models run teacher-forced over the same token sequence (a prompt plus the target's own
+greedy continuation), so every position has the same context on both sides. Measures:
+
+* **top-k set agreement** per MoE layer: fraction of positions where the draft's top-k expert
+  set equals the target's;
+* **window recall@K**: for every window of K consecutive positions (sliding, stride 1) and every
+  layer, ``|∪ draft ∩ ∪ target| / |∪ target|``, averaged over windows and layers;
+* **next-token agreement**: fraction of positions where the draft's argmax equals the target's;
+* **mean accepted length**: accepted draft tokens per round of greedy speculation through
+  ``specter.engine.Engine`` (pooled: all accepted tokens / all rounds).
+
+Routing is scored at the positions of the generated tokens (the ones a decode step processes),
+next-token agreement at the positions that predict them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+WINDOWS = (1, 2, 4, 8, 16)
+
+
+class TeacherForced(Protocol):
+    """A model with ``forward(input_ids, cache)`` and the routing of its last call."""
+
+    @property
+    def last_routing(self) -> Routing: ...
+
+    def new_cache(self) -> Any: ...
+
+    def forward(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor: ...
+
+
+# -- the measures, on routing tensors ------------------------------------------------------------
+def _ids(ids: torch.Tensor) -> torch.Tensor:
+    return ids.reshape(-1, ids.shape[-1]).long().cpu()
+
+
+def set_equal(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """Bool (N,): whether the draft's top-k set equals the target's at each of N positions."""
+    d, t = _ids(draft_ids), _ids(target_ids)
+    if d.shape != t.shape:
+        raise ValueError(f"routing: draft ids {tuple(d.shape)} and target ids {tuple(t.shape)} differ in shape")
+    return (d.sort(dim=-1).values == t.sort(dim=-1).values).all(dim=-1)
+
+
+def expert_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(N, E) bool: which experts each position routes to."""
+    ids = _ids(ids)
+    mask = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool)
+    mask.scatter_(1, ids, True)
+    return mask
+
+
+def window_union(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """(N - window + 1, E) bool: the experts used anywhere in each sliding window of positions."""
+    if window < 1:
+        raise ValueError(f"window: must be >= 1, got {window}")
+    counts = torch.cat([torch.zeros(1, mask.shape[1], dtype=torch.long), mask.long().cumsum(0)])
+    return (counts[window:] - counts[:-window]) > 0
+
+
+def window_recall(
+    draft_ids: torch.Tensor, target_ids: torch.Tensor, window: int, num_experts: int | None = None
+) -> torch.Tensor:
+    """Recall of each sliding window (float (W,)): ``|D ∪ ∩ T ∪| / |T ∪|``; empty when N < window."""
+    d, t = _ids(draft_ids), _ids(target_ids)
+    if d.shape[0] != t.shape[0]:
+        raise ValueError(f"routing: draft has {d.shape[0]} positions, target {t.shape[0]}")
+    if num_experts is None:
+        num_experts = int(max(d.max(), t.max())) + 1 if d.numel() else 1
+    du = window_union(expert_mask(d, num_experts), window)
+    tu = window_union(expert_mask(t, num_experts), window)
+    return (du & tu).sum(-1).double() / tu.sum(-1).clamp(min=1).double()
+
+
+# -- pooling over prompts ------------------------------------------------------------------------
+@dataclass
+class FidelityTally:
+    """Sums of every measure over sequences; ``summary()`` turns them into fractions."""
+
+    windows: tuple[int, ...] = WINDOWS
+    set_hits: dict[int, list[int]] = field(default_factory=dict)  # layer -> [equal, positions]
+    recall: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # K -> layer -> [sum, windows]
+    token_hits: int = 0
+    tokens: int = 0
+
+    def add(
+        self,
+        draft_routing: Routing,
+        target_routing: Routing,
+        draft_logits: torch.Tensor,
+        target_logits: torch.Tensor,
+        routing_positions: slice,
+        logit_positions: slice,
+        num_experts: int | None = None,
+    ) -> None:
+        """One sequence: routings per layer over all T positions, logits (T, V) or (1, T, V)."""
+        if set(draft_routing) != set(target_routing):
+            raise ValueError(
+                f"routing: draft MoE layers {sorted(draft_routing)} differ from target's {sorted(target_routing)}"
+            )
+        for layer in sorted(target_routing):
+            d = _ids(draft_routing[layer][0])[routing_positions]
+            t = _ids(target_routing[layer][0])[routing_positions]
+            same = set_equal(d, t)
+            hit = self.set_hits.setdefault(layer, [0, 0])
+            hit[0] += int(same.sum())
+            hit[1] += same.numel()
+            for k in self.windows:
+                r = window_recall(d, t, k, num_experts)
+                acc = self.recall.setdefault(k, {}).setdefault(layer, [0.0, 0])
+                acc[0] += float(r.sum())
+                acc[1] += r.numel()
+        d_tok = draft_logits.reshape(-1, draft_logits.shape[-1])[logit_positions].argmax(-1)
+        t_tok = target_logits.reshape(-1, target_logits.shape[-1])[logit_positions].argmax(-1)
+        self.token_hits += int((d_tok.cpu() == t_tok.cpu()).sum())
+        self.tokens += t_tok.numel()
+
+    def summary(self) -> dict[str, Any]:
+        """Per-layer and pooled fractions (NaN where nothing was counted)."""
+        per_layer = {layer: _frac(h, n) for layer, (h, n) in sorted(self.set_hits.items())}
+        recall_layer = {
+            k: {layer: _frac(s, n) for layer, (s, n) in sorted(by_layer.items())}
+            for k, by_layer in sorted(self.recall.items())
+        }
+        recall = {}
+        for k, by_layer in sorted(self.recall.items()):
+            s = sum(v[0] for v in by_layer.values())
+            n = sum(v[1] for v in by_layer.values())
+            recall[k] = _frac(s, n)
+        values = list(per_layer.values())
+        return {
+            "topk_set_per_layer": per_layer,
+            "topk_set_mean": sum(values) / len(values) if values else math.nan,
+            "topk_set_min": min(values) if values else math.nan,
+            "topk_set_min_layer": min(per_layer, key=per_layer.__getitem__) if per_layer else None,
+            "recall": recall,
+            "recall_per_layer": recall_layer,
+            "next_token": _frac(self.token_hits, self.tokens),
+            "positions": next(iter(self.set_hits.values()))[1] if self.set_hits else 0,
+            "tokens": self.tokens,
+        }
+
+
+def _frac(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+# -- the teacher-forced passes -------------------------------------------------------------------
+@torch.inference_mode()
+def target_pass(model: Any, recorder: Any, ids: Sequence[int]) -> tuple[torch.Tensor, Routing]:
+    """Logits (T, V) fp32 and per-layer routing of one teacher-forced target forward."""
+    recorder.last.clear()
+    out = model(input_ids=torch.tensor([list(ids)], device=model.device), use_cache=False)
+    return out.logits[0].float().cpu(), {k: (_ids(v[0]), v[1]) for k, v in recorder.last.items()}
+
+
+@torch.inference_mode()
+def draft_pass(draft: TeacherForced, ids: Sequence[int]) -> tuple[torch.Tensor, Routing]:
+    """Logits (T, V) fp32 and per-layer routing of one teacher-forced draft forward (fresh cache)."""
+    logits = draft.forward(torch.tensor([list(ids)]), draft.new_cache())
+    return logits.reshape(-1, logits.shape[-1]).float().cpu(), {
+        k: (_ids(v[0]), v[1]) for k, v in draft.last_routing.items()
+    }
+
+
+@torch.inference_mode()
+def greedy_continuation(model: Any, prompt: Sequence[int], new_tokens: int) -> list[int]:
+    """The target's own greedy continuation of ``prompt`` (exactly ``new_tokens`` tokens, EOS ignored)."""
+    out = model.generate(
+        torch.tensor([list(prompt)], device=model.device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return [int(t) for t in out[0, len(prompt):].tolist()]
+
+
+def measure_teacher_forced(
+    draft: TeacherForced,
+    sequences: Iterable[tuple[list[int], int, torch.Tensor, Routing]],
+    windows: tuple[int, ...] = WINDOWS,
+    num_experts: int | None = None,
+    region: str = "generated",
+) -> list[FidelityTally]:
+    """One tally per (ids, prompt_len, target logits, target routing) sequence; ``merge`` pools them.
+
+    ``region``: ``generated`` scores the continuation (routing at the generated tokens' positions,
+    logits at the positions that predict them); ``prompt`` scores the prompt itself (real text:
+    routing at every prompt position, logits at the positions that predict prompt tokens 1..P-1).
+    """
+    if region not in ("generated", "prompt"):
+        raise ValueError(f"region: 'generated' or 'prompt', got {region!r}")
+    tallies = []
+    for ids, prompt_len, t_logits, t_routing in sequences:
+        d_logits, d_routing = draft_pass(draft, ids)
+        tally = FidelityTally(windows)
+        if region == "generated":
+            routing_positions, logit_positions = slice(prompt_len, len(ids)), slice(prompt_len - 1, len(ids) - 1)
+        else:
+            routing_positions, logit_positions = slice(0, prompt_len), slice(0, prompt_len - 1)
+        tally.add(d_routing, t_routing, d_logits, t_logits, routing_positions, logit_positions, num_experts)
+        tallies.append(tally)
+    return tallies
+
+
+def merge(tallies: Iterable[FidelityTally]) -> FidelityTally:
+    """The sum of several tallies (same windows)."""
+    out: FidelityTally | None = None
+    for t in tallies:
+        if out is None:
+            out = FidelityTally(t.windows)
+        for layer, (h, n) in t.set_hits.items():
+            acc = out.set_hits.setdefault(layer, [0, 0])
+            acc[0] += h
+            acc[1] += n
+        for k, by_layer in t.recall.items():
+            for layer, (total, windows) in by_layer.items():
+                racc = out.recall.setdefault(k, {}).setdefault(layer, [0.0, 0])
+                racc[0] += total
+                racc[1] += windows
+        out.token_hits += t.token_hits
+        out.tokens += t.tokens
+    if out is None:
+        raise ValueError("merge: no tallies")
+    return out
+
+
+def measure_acceptance(
+    target: Any, draft: Any, prompts: Sequence[list[int]], new_tokens: int, window: int,
+    expected: Sequence[list[int]] | None = None,
+) -> dict[str, Any]:
+    """Greedy speculation with ``draft`` proposing ``window`` tokens a round.
+
+    ``per_prompt`` holds (accepted draft tokens, rounds, drafted tokens) per prompt;
+    ``mean_accepted`` pools them (all accepted / all rounds).
+    """
+    from specter.engine import Engine
+
+    engine = Engine(target, draft, window)
+    per_prompt = []
+    same = 0
+    for i, prompt in enumerate(prompts):
+        tokens, stats = engine.generate(list(prompt), new_tokens)
+        accepted = sum(i * c for i, c in enumerate(stats.extra["accepted_hist"]))
+        per_prompt.append((accepted, int(stats.extra["rounds"]), int(stats.extra["drafted"])))
+        if expected is not None:
+            same += tokens == list(expected[i])
+    accepted, rounds, drafted = (sum(p[j] for p in per_prompt) for j in range(3))
+    return {
+        "window": window,
+        "mean_accepted": _frac(accepted, rounds),
+        "acceptance_rate": _frac(accepted, drafted),
+        "accepted": accepted,
+        "rounds": rounds,
+        "drafted": drafted,
+        "per_prompt": per_prompt,
+        "lossless_prompts": same if expected is not None else None,
+    }
+
+
+# -- rows, tables, verdict -----------------------------------------------------------------------
+def row_measures(
+    tallies: Sequence[FidelityTally], acceptance: dict[int, dict[str, Any]], pick: Sequence[int] | None = None
+) -> dict[str, float]:
+    """The flat measures of one method's row (the table's columns), over prompts ``pick`` (default all)."""
+    pick = range(len(tallies)) if pick is None else pick
+    summary = merge(tallies[i] for i in pick).summary()
+    row = {"topk_set_mean": summary["topk_set_mean"], "topk_set_min": summary["topk_set_min"]}
+    for k, value in summary["recall"].items():
+        row[f"recall@{k}"] = value
+    row["next_token"] = summary["next_token"]
+    for k, acc in sorted(acceptance.items()):
+        parts = [acc["per_prompt"][i] for i in pick]
+        row[f"accepted@K={k}"] = _frac(sum(p[0] for p in parts), sum(p[1] for p in parts))
+    return row
+
+
+def paired_bootstrap(
+    a: tuple[Sequence[FidelityTally], dict[int, dict[str, Any]]],
+    b: tuple[Sequence[FidelityTally], dict[int, dict[str, Any]]],
+    samples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, tuple[float, float]]:
+    """Interval of (row a − row b) per measure, resampling prompts with replacement (paired)."""
+    n = len(a[0])
+    if n != len(b[0]):
+        raise ValueError(f"paired_bootstrap: {n} prompts vs {len(b[0])}")
+    gen = torch.Generator().manual_seed(seed)
+    diffs: dict[str, list[float]] = {}
+    for _ in range(samples):
+        pick = torch.randint(0, n, (n,), generator=gen).tolist()
+        ra, rb = row_measures(*a, pick=pick), row_measures(*b, pick=pick)
+        for name in ra:
+            diffs.setdefault(name, []).append(ra[name] - rb[name])
+    lo_q, hi_q = (1 - level) / 2, 1 - (1 - level) / 2
+    out = {}
+    for name, values in diffs.items():
+        t = torch.tensor([v for v in values if not math.isnan(v)], dtype=torch.float64)
+        out[name] = (float(t.quantile(lo_q)), float(t.quantile(hi_q))) if t.numel() else (math.nan, math.nan)
+    return out
+
+
+_HEADERS = {"topk_set_mean": "top-k set (mean)", "topk_set_min": "top-k set (min layer)",
+            "next_token": "next-token"}
+
+
+def header(name: str) -> str:
+    if name.startswith("accepted@"):
+        return "accepted " + name.removeprefix("accepted@")
+    return _HEADERS.get(name, name.replace("recall@", "R@"))
+
+
+def markdown_table(rows: dict[str, dict[str, float]]) -> str:
+    """One markdown table: a row per method, a column per measure."""
+    columns = list(next(iter(rows.values())))
+    lines = [
+        "| method | " + " | ".join(header(c) for c in columns) + " |",
+        "| --- | " + " | ".join("---:" for _ in columns) + " |",
+    ]
+    for method, row in rows.items():
+        cells = [_fmt(c, row.get(c, math.nan)) for c in columns]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(column: str, value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.2f}" if column.startswith("accepted") else f"{value:.3f}"
+
+
+def awq_verdict(
+    rows: dict[str, dict[str, float]], interval: dict[str, tuple[float, float]] | None = None
+) -> dict[str, Any]:
+    """"AWQ must be no worse than RTN on any measure and better on at least one", on the exact numbers.
+
+    ``interval`` (AWQ − RTN per measure, e.g. from ``paired_bootstrap``) adds which differences
+    are clear of sampling noise: ``clearly_worse`` / ``clearly_better`` (interval excludes 0).
+    """
+    if "awq" not in rows or "rtn" not in rows:
+        return {"verdict": "n/a", "reason": "needs both awq and rtn rows"}
+    awq, rtn = rows["awq"], rows["rtn"]
+    worse: list[str] = []
+    better: list[str] = []
+    equal: list[str] = []
+    for name in awq:
+        a, r = awq[name], rtn.get(name, math.nan)
+        if math.isnan(a) or math.isnan(r):
+            continue
+        (worse if a < r else better if a > r else equal).append(name)
+    ok = not worse and bool(better)
+    deltas = {name: awq[name] - rtn[name] for name in awq if name in rtn}
+    out: dict[str, Any] = {"verdict": "PASS" if ok else "FAIL", "worse": worse, "better": better,
+                           "equal": equal, "delta_awq_minus_rtn": deltas}
+    if interval is not None:
+        out["interval_awq_minus_rtn"] = interval
+        out["clearly_worse"] = [n for n in awq if n in interval and interval[n][1] < 0]
+        out["clearly_better"] = [n for n in awq if n in interval and interval[n][0] > 0]
+    return out
+
+
+def verdict_line(v: dict[str, Any], rows: dict[str, dict[str, float]]) -> str:
+    """A one-line statement of the verdict with the numbers behind it."""
+    if v["verdict"] == "n/a":
+        return f"AWQ vs RTN: n/a ({v['reason']})"
+
+    def show(names: list[str]) -> str:
+        return ", ".join(
+            f"{header(n)} {rows['awq'][n]:.4f} vs {rows['rtn'][n]:.4f}" for n in names
+        ) or "none"
+
+    line = (
+        f"AWQ vs RTN: **{v['verdict']}** — better on: {show(v['better'])}; worse on: {show(v['worse'])}; "
+        f"equal on: {', '.join(header(n) for n in v['equal']) or 'none'}."
+    )
+    if "interval_awq_minus_rtn" in v:
+        clear_w = ", ".join(header(n) for n in v["clearly_worse"]) or "none"
+        clear_b = ", ".join(header(n) for n in v["clearly_better"]) or "none"
+        line += (
+            f" Paired bootstrap over prompts (95 % interval of AWQ − RTN excludes 0): clearly better on {clear_b}; "
+            f"clearly worse on {clear_w}."
+        )
+    return line

@@ -39,6 +39,7 @@ class BenchConfig:
     budget: float = 0.5
     per_layer: bool = False
     new_tokens: int = 128
+    k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
 
 
 def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[float, int]:
@@ -64,6 +65,13 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     step_s, per_token = resident_step_s(config.model, config.prompts[0])
     draft = load_draft(config.draft)
     results: dict[str, Any] = {"step_s": step_s, "bytes_per_token": per_token, "profiles": {}}
+    first = link_for(PROFILES[config.profiles[0]], step_s, per_token)
+    for policy in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
+        if policy in config.policies and policy not in config.windows:
+            config.windows[policy], scan = profile_window(config, draft, first, policy)
+            results.setdefault("window_scan", {})[policy] = scan
+            log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[policy], scan)
+    results["windows"] = dict(config.windows)
     for name in config.profiles:
         profile = PROFILES[name]
         link = link_for(profile, step_s, per_token)
@@ -72,6 +80,21 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
         results["profiles"][name] = {"rho": profile.rho, "link_bytes_per_s": link.bandwidth, "runs": runs,
                                      "summary": summarize(runs)}
     return results
+
+
+def profile_window(config: BenchConfig, draft: Any, link: LinkConfig, policy: str) -> tuple[int, dict[int, float]]:
+    """The K of lowest median TPOT for ``policy`` on two prompts (a short profiling run)."""
+    budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
+    target = OffloadedTarget.load(config.model, budget, link, policy)
+    scan: dict[int, float] = {}
+    try:
+        for k in config.k_candidates:
+            engine = Engine(target, draft, k, untimed_prefill=True)
+            tpots = [engine.generate_fresh(p, min(32, config.new_tokens))[1].tpot_s for p in config.prompts[:2]]
+            scan[k] = statistics.median(tpots)
+    finally:
+        target.close()
+    return min(scan, key=lambda k: scan[k]), scan
 
 
 def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, name: str) -> dict:

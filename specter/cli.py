@@ -39,11 +39,16 @@ def _fraction(text: str) -> SlotConfig:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("budget: ")) from None
 
 
-def _link(text: str) -> LinkConfig:
+def _link(text: str) -> LinkConfig | str:
+    from specter.profiles import PROFILES
+
+    if text in PROFILES:
+        return text  # resolved once the model is known: the profile's rho on this machine
     try:
         return LinkConfig.parse(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("link: ")) from None
+        reason = str(exc).removeprefix("link: ")
+        raise argparse.ArgumentTypeError(f"{reason} or a profile: {', '.join(PROFILES)}") from None
 
 
 def _size(text: str) -> int:
@@ -91,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan this much device memory (e.g. 24GiB): dense parts, draft, KV, then slots")
     gen.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
     gen.add_argument("--link", type=_link, default=None,
-                     help="cuda | sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
+                     help="cuda | PROFILE (e.g. mixtral-pcie4: its offload pressure on this machine) | "
+                          "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -153,6 +159,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
     config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, args.budget.fraction,
                                args.per_layer, tokens)
+    if args.quick:
+        config.k_candidates = (2, 4, 8)
     results = bench.run(config)
     print(bench.table(results))
     print()
@@ -177,6 +185,18 @@ def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return window
 
 
+def _profile_link(name: str, model: str) -> LinkConfig:
+    """A simulated link giving ``model`` on this machine the named profile's offload pressure."""
+    from specter.bench import link_for, resident_step_s
+    from specter.profiles import PROFILES
+
+    step_s, per_token = resident_step_s(model, [0, 1, 2, 3])
+    config = link_for(PROFILES[name], step_s, per_token)
+    print(f"link {name}: rho {PROFILES[name].rho:.1f}; all-resident step here {step_s * 1e3:.1f} ms "
+          f"-> simulated link {config.bandwidth / 1e6:.2f} MB/s", file=sys.stderr)
+    return config
+
+
 def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingConfig:
     try:
         return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -197,6 +217,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --prompt: must not be empty")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     link = args.link or (LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
+    if isinstance(link, str):
+        link = _profile_link(link, args.model)
     draft = None
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),

@@ -50,12 +50,14 @@ def test_summary_and_bar_arithmetic():
 def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
     folder = tiny_dir("qwen2_moe")
     config = bench.BenchConfig(str(folder), str(folder), [[3, 17, 25, 9], [5, 6, 7]], ["qwen2moe-pcie4"],
-                               policies=["demand-lru", "specter", "oracle"], new_tokens=6)
+                               policies=["demand-lru", "specter", "oracle"], new_tokens=6, k_candidates=(1, 3))
     results = bench.run(config, progress=False)
     summary = results["profiles"]["qwen2moe-pcie4"]["summary"]
     assert set(summary) == {"demand-lru", "specter", "oracle"}
     assert summary["demand-lru"]["speedup"] == pytest.approx(1.0)
     assert summary["specter"]["recall"] == pytest.approx(1.0)  # the draft is the target itself
+    scan = results["window_scan"]["specter"]
+    assert set(scan) == {1, 3} and results["windows"]["specter"] == min(scan, key=scan.get)
     files = bench.save(results, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "results.json").read_text())["profiles"]
     assert all(f.exists() and f.stat().st_size > 0 for f in files)

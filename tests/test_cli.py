@@ -60,3 +60,13 @@ def test_load_errors_are_one_line_without_traceback(tmp_path):
 def test_budget_below_minimum_is_refused(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1", "--budget", "0.05"]) == 1
     assert "minimum is 2 slots" in capsys.readouterr().err
+
+
+def test_link_profile_sets_a_simulated_link_from_the_measured_step(tiny_dir, capsys):
+    folder = tiny_dir("mixtral")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                 "--link", "dsv2lite-pcie4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "rho 24.5" in captured.err and "simulated link" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["stats"]["misses"] >= 0

@@ -37,10 +37,13 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
             x = j * (len(policies) + 1) + i
             parts = [s["draft_s_per_token"], s["verify_s_per_token"] - s["wait_s_per_token"], s["wait_s_per_token"]]
             bottom = 0.0
-            for part, color in zip(parts, ("tab:blue", "tab:green", "tab:red"), strict=True):
-                ax.bar(x, part * 1e3, bottom=bottom, color=color)
+            names = ("draft", "verify compute", "waiting on the link")
+            for part, color, label in zip(parts, ("tab:blue", "tab:green", "tab:red"), names, strict=True):
+                ax.bar(x, part * 1e3, bottom=bottom, color=color, label=label if (i, j) == (0, 0) else None)
                 bottom += part * 1e3
-    ax.set_ylabel("ms per token: draft / verify compute / waiting on link")
+    ax.set_ylabel("ms per token")
+    ax.set_title("where the time goes (" + ", ".join(profiles) + ")", fontsize=9)
+    ax.legend(fontsize=7)
     ax.set_xticks([j * (len(policies) + 1) + i for j in range(len(profiles)) for i in range(len(policies))],
                   [p for _ in profiles for p in policies], rotation=70, fontsize=6)
     fig.tight_layout()

@@ -8,30 +8,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from specter.config import SamplingConfig
+from specter.proposer import Draft, LocalProposer, Proposer, Routing
 from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, probabilities
 
-Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
-
-
-class Draft(Protocol):
-    """What the engine needs of a draft model."""
-
-    @property
-    def last_routing(self) -> Routing: ...
-
-    def new_cache(self) -> DynamicCache: ...
-
-    def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor: ...
+__all__ = ["Draft", "Engine", "Routing"]
 
 
 @dataclass
@@ -48,17 +37,25 @@ class _Tally:
 
 
 class Engine:
-    """Generates with an offloaded target and, optionally, a draft proposing ``window`` tokens."""
+    """Generates with an offloaded target and, optionally, a draft proposing ``window`` tokens.
+
+    ``proposer`` stands in for ``draft`` when the draft runs elsewhere (the draft actor).
+    """
 
     def __init__(
-        self, target: OffloadedTarget, draft: Draft | None = None, window: int = 0, untimed_prefill: bool = False
+        self, target: OffloadedTarget, draft: Draft | None = None, window: int = 0, untimed_prefill: bool = False,
+        proposer: Proposer | None = None,
     ):
         if window < 0 or window > 64:
             raise ValueError(f"window: K must be in [0, 64], got {window}")
-        if window > 0 and draft is None:
+        if window > 0 and draft is None and proposer is None:
             raise ValueError("window: K > 0 needs a draft model")
         self.target = target
         self.draft = draft if window > 0 else None
+        if window > 0 and proposer is None:
+            assert draft is not None
+            proposer = LocalProposer(draft)
+        self.proposer = proposer if window > 0 else None
         self.window = window
         self.policy = target.offload.policy
         self.policy.window = window
@@ -94,11 +91,12 @@ class Engine:
         seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
         commits = [time.perf_counter()]
         after_prefill = self.target.offload.counters.snapshot()
-        dstate = self._draft_prefill(prompt_ids)
+        if self.proposer is not None:
+            self.proposer.prefill(prompt_ids, sampling)
         round_id = 0
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
-            new = self._round(round_id, seq, tcache, dstate, min(self.window, remaining - 1), sampling, gen, tally)
+            new = self._round(round_id, seq, tcache, min(self.window, remaining - 1), sampling, gen, tally)
             seq += _until_eos(new[:remaining], eos_token_id)
             commits += [time.perf_counter()] * len(new[:remaining])
             round_id += 1
@@ -122,22 +120,14 @@ class Engine:
         return self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
 
     # -- the round --------------------------------------------------------------------------
-    def _draft_prefill(self, prompt_ids: list[int]) -> list | None:
-        """Draft cache over the prompt; state is [cache, positions the draft has processed]."""
-        if self.draft is None:
-            return None
-        cache = self.draft.new_cache()
-        self.draft.forward(torch.tensor([prompt_ids]), cache)
-        return [cache, len(prompt_ids)]
-
     def _round(
-        self, round_id: int, seq: list[int], tcache: DynamicCache, dstate: list | None, k: int,
+        self, round_id: int, seq: list[int], tcache: DynamicCache, k: int,
         sampling: SamplingConfig, gen: torch.Generator, tally: _Tally,
     ) -> list[int]:
         """One round; returns the tokens it commits (accepted drafts + the target's next token)."""
         self.policy.begin_round(round_id)
         t0 = time.perf_counter()
-        drafts, qs, predicted = self._draft(round_id, seq, dstate, k, sampling, gen) if k else ([], [], {})
+        drafts, qs, predicted = self._draft(round_id, seq, k) if k else ([], [], {})
         t1 = time.perf_counter()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
@@ -151,9 +141,8 @@ class Engine:
         tally.draft_s += t1 - t0
         tally.verify_s += time.perf_counter() - t1
         crop_cache(tcache, len(seq) + n)  # the cache held seq[:-1]; keep seq[-1] and the accepted drafts
-        if dstate is not None:
-            dstate[1] = min(dstate[1], len(seq) + n)
-            crop_cache(dstate[0], dstate[1])
+        if self.proposer is not None:
+            self.proposer.rollback(len(seq) + n)
         self.policy.end_round(round_id, n, true)
         if k:
             tally.accepted.append(n)
@@ -162,35 +151,18 @@ class Engine:
         return drafts[:n] + [nxt]
 
     def _draft(
-        self, round_id: int, seq: list[int], dstate: list | None, k: int, sampling: SamplingConfig,
-        gen: torch.Generator,
+        self, round_id: int, seq: list[int], k: int
     ) -> tuple[list[int], list[torch.Tensor], dict[int, set[int]]]:
         """K draft steps; after each, its routing goes to the policy as a plan delta at once."""
-        assert self.draft is not None and dstate is not None
-        cache, done = dstate
-        pending = seq[done:]
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
+        assert self.proposer is not None
         predicted: dict[int, set[int]] = {}
-        for step in range(k):
-            logits = self.draft.forward(torch.tensor([pending]), cache)[0, -1]
-            dstate[1] += len(pending)
-            delta = _plan_delta(round_id, step, self.draft.last_routing, predicted)
+
+        def on_plan(delta: PlanDelta) -> None:
+            for layer, ids in zip(delta.layers, delta.experts, strict=True):
+                predicted.setdefault(layer, set()).update(ids)
             self.policy.on_plan(delta)
-            if sampling.greedy:
-                token = int(torch.argmax(logits))
-            else:
-                q = probabilities(logits, sampling)
-                token = int(torch.multinomial(q.cpu(), 1, generator=gen))
-                qs.append(q.cpu())
-            drafts.append(token)
-            pending = [token]
-        if self.policy.route_last_draft and drafts:
-            # One more draft forward routes the last draft token's position too, so the plan
-            # covers all K+1 positions the verify pass will run (its logits are not needed).
-            self.draft.forward(torch.tensor([pending]), cache)
-            dstate[1] += 1
-            self.policy.on_plan(_plan_delta(round_id, k, self.draft.last_routing, predicted))
+
+        drafts, qs = self.proposer.propose(round_id, seq, k, on_plan, self.policy.route_last_draft)
         return drafts, qs, predicted
 
     def _stats(self, before, prompt_len: int, t0: float, commits: list[float], tally: _Tally) -> RequestStats:
@@ -228,15 +200,6 @@ class Engine:
                 "verify_s": tally.verify_s,
             },
         )
-
-
-def _plan_delta(round_id: int, step: int, routing: Routing, predicted: dict[int, set[int]]) -> PlanDelta:
-    layers = sorted(routing)
-    experts = [routing[layer][0].flatten().tolist() for layer in layers]
-    probs = [routing[layer][1].flatten().tolist() for layer in layers]
-    for layer, ids in zip(layers, experts, strict=True):
-        predicted.setdefault(layer, set()).update(ids)
-    return PlanDelta(round_id, step, layers, experts, probs)
 
 
 def _score(tally: _Tally, predicted: dict[int, set[int]], true: dict[int, set[int]]) -> None:

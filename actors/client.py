@@ -1,0 +1,98 @@
+"""The driver-side client: attach to (or start) Ray, launch a replica, generate.
+
+``Client(model, draft, ..., address="local")`` starts a local Ray (tests, one machine);
+``address="auto"`` attaches to a running cluster (``ray start --head``; on loopback set
+``RAY_NODE_IP_ADDRESS=127.0.0.1``, see NOTES.md); ``address=None`` uses a Ray that this process
+already initialized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.launcher import EngineHandle, launch
+from specter.config import LinkConfig, SlotConfig
+from specter.target import _load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Client:
+    """Generates through one launched replica (three actors).
+
+    Args:
+        model: the target checkpoint folder.
+        draft: the draft folder (None: only draft-free policies such as ``demand-lru``).
+        budget: the device's expert budget.
+        link: the link model.
+        policy: the policy the replica starts with (a request may switch it).
+        address: ``"local"`` (start Ray here), ``"auto"``/``"ray://…"``/``"HOST:PORT"`` (attach),
+            or None (Ray is already initialized by the caller).
+        num_cpus: CPUs of a local Ray.
+    """
+
+    def __init__(
+        self, model: str | Path, draft: str | Path | None = None, budget: SlotConfig | None = None,
+        link: LinkConfig | None = None, policy: str = "specter", address: str | None = "local", num_cpus: int = 2,
+        timeout_s: float = 60.0,
+    ):
+        self._owns_ray = False
+        if not ray.is_initialized():
+            self._init_ray(address, num_cpus)
+        self.tokenizer = _load_tokenizer(Path(model))
+        self.handle: EngineHandle = launch(
+            model, draft, budget or SlotConfig(fraction=0.5), link or LinkConfig(), policy, timeout_s=timeout_s
+        )
+
+    def _init_ray(self, address: str | None, num_cpus: int) -> None:
+        if address in (None, "local"):
+            # Ray 2.60 would otherwise write ~/.ray/auth_token and switch later clusters and the
+            # `ray` CLI on this machine to token authentication (NOTES.md).
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(num_cpus=num_cpus, include_dashboard=False)
+        else:
+            if address == "auto":
+                os.environ.setdefault("RAY_NODE_IP_ADDRESS", "127.0.0.1")
+            ray.init(address=address)
+        self._owns_ray = True
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+        top_p: float = 1.0, top_k: int = 0, seed: int = 0, policy: str | None = None, window: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """One ``{"text", "tokens", "stats"}`` per prompt (text is empty without a tokenizer)."""
+        results = []
+        for prompt in prompts:
+            ids = self._encode(prompt)
+            out = self.handle.generate(
+                ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                window=window, policy=policy, eos_token_id=eos_token_id,
+            )
+            text = self.tokenizer.decode(out["tokens"]) if self.tokenizer is not None else ""
+            results.append({"text": text, "tokens": out["tokens"], "stats": out["stats"]})
+        return results
+
+    def close(self) -> None:
+        """Shut the replica down (and Ray, if this client started it)."""
+        self.handle.shutdown()
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; this checkpoint has none, give token ids")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)

@@ -1,0 +1,62 @@
+"""DraftActor: the draft model and its KV cache, serving rounds to the verifier over ZeroMQ."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from actors.common import DEVICE, setup_process
+from specter.actor_channel import ActorChannel
+from specter.draft.loading import load_draft
+from specter.draft_server import DraftServer
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class DraftActor:
+    """Holds the draft; ``bind`` opens its pair socket and serves in a background thread.
+
+    Args:
+        draft_dir: a packed AWQ draft folder or a full-precision checkpoint.
+        timeout_s: the handshake timeout.
+    """
+
+    def __init__(self, draft_dir: str, timeout_s: float = 60.0):
+        setup_process()
+        self.draft = load_draft(draft_dir, device=DEVICE)
+        self.timeout_s = timeout_s
+        self.channel: ActorChannel | None = None
+        self.server: DraftServer | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def bind(self, endpoint: str) -> str:
+        """Bind the pair socket at ``endpoint`` and serve (after the verifier's handshake)."""
+        self.channel = ActorChannel("pair", endpoint, bind=True, peer="verifier")
+        self.server = DraftServer(self.draft, self.channel)
+        self._thread = threading.Thread(target=self._serve, name="specter-draft", daemon=True)
+        self._thread.start()
+        return self.channel.address
+
+    def rounds(self) -> int:
+        """Rounds drafted so far."""
+        return self.server.rounds if self.server else 0
+
+    def close(self) -> None:
+        """Stop serving and close the socket (removes its ipc file)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.channel is not None:
+            self.channel.close()
+
+    def _serve(self) -> None:
+        assert self.channel is not None and self.server is not None
+        try:
+            self.channel.handshake("draft", self.timeout_s)
+            self.server.serve(self._stop)
+        except Exception:
+            log.exception("draft: the round loop stopped")

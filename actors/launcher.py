@@ -1,0 +1,148 @@
+"""Launch the three actors of one engine replica in a placement group, wired and handshaken.
+
+``launch`` returns an ``EngineHandle``: ``generate`` (one Ray call per request) and ``shutdown``
+(actors closed and killed, sockets closed, ipc directory removed, shared memory unlinked,
+placement group removed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.draft import DraftActor
+from actors.transfer import TransferActor
+from actors.verifier import VerifierActor
+from specter.channel import endpoint
+from specter.config import LinkConfig, SlotConfig
+from specter.experts.shm import unlink_prefix
+
+log = logging.getLogger(__name__)
+
+BUNDLE_CPUS = 0.25  # logical CPUs per actor: a few replicas fit a 2-CPU local Ray
+
+
+@dataclass
+class EngineHandle:
+    """A launched replica: its actors, placement group, shared-memory prefix and ipc directory."""
+
+    replica: str
+    pg: PlacementGroup
+    transfer: Any
+    verifier: Any
+    draft: Any | None
+    prefix: str
+    ipc_dir: str
+    policy: str
+    names: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> dict[str, Any]:
+        """``{"tokens", "stats"}`` for one prompt (``VerifierActor.generate``'s options)."""
+        return ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
+
+    def link_counters(self) -> dict[str, float]:
+        """The transfer actor's link counters (control plane)."""
+        return ray.get(self.transfer.counters.remote())
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tear everything down; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        for actor in (self.verifier, self.draft, self.transfer):  # the verifier first: it says Shutdown
+            if actor is None:
+                continue
+            try:
+                ray.get(actor.close.remote(), timeout=timeout_s)
+            except Exception as exc:  # a dead actor: its resources are swept below
+                log.warning("shutdown of %s: %s", self.replica, exc)
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.pg)
+        if os.path.isdir(self.ipc_dir):  # same node as the actors: sweep what a crash left
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        unlink_prefix(self.prefix)
+
+
+def launch(
+    model: str | Path,
+    draft: str | Path | None,
+    budget: SlotConfig,
+    link: LinkConfig,
+    policy: str = "specter",
+    replica: str | None = None,
+    timeout_s: float = 60.0,
+    cpus_per_actor: float = BUNDLE_CPUS,
+) -> EngineHandle:
+    """Start the actors of one replica and wire them (Ray must be initialized).
+
+    Args:
+        model: the target checkpoint folder (readable on the node the actors land on).
+        draft: the draft folder, or None for policies without a draft (no draft actor).
+        budget: the device's expert budget.
+        link: the link model (``sim`` only, so far).
+        policy: the verifier's policy.
+        replica: a name for this replica (actor names are ``specter-<replica>-<role>``).
+        timeout_s: handshake, transfer and draft timeouts.
+        cpus_per_actor: logical CPUs of each actor's bundle.
+
+    Raises:
+        TimeoutError: the cluster has no room for the placement group (or an actor did not start).
+    """
+    replica = replica or secrets.token_hex(3)
+    roles = ["transfer", "verifier"] + (["draft"] if draft is not None else [])
+    pg = placement_group([{"CPU": cpus_per_actor}] * len(roles), strategy="STRICT_PACK", name=f"specter-{replica}")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"replica {replica}: no node has room for {len(roles)} x {cpus_per_actor} CPU within {timeout_s:.0f}s"
+        ) from None
+
+    def where(role: str) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=roles.index(role))
+        return {"name": f"specter-{replica}-{role}", "scheduling_strategy": strategy, "num_cpus": cpus_per_actor}
+
+    prefix = f"specter-{replica}-{secrets.token_hex(4)}"
+    transfer = TransferActor.options(**where("transfer")).remote(  # type: ignore[attr-defined]
+        str(model), budget, link, prefix, timeout_s
+    )
+    verifier = VerifierActor.options(**where("verifier")).remote(  # type: ignore[attr-defined]
+        str(model), budget, policy, timeout_s
+    )
+    draft_actor = None
+    if draft is not None:
+        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s)  # type: ignore[attr-defined]
+    handle = EngineHandle(replica, pg, transfer, verifier, draft_actor, prefix, "", policy,
+                          [f"specter-{replica}-{r}" for r in roles])
+    try:
+        _wire(handle, timeout_s)
+    except BaseException:
+        handle.shutdown()
+        raise
+    return handle
+
+
+def _wire(handle: EngineHandle, timeout_s: float) -> None:
+    """Shared memory and sockets: transfer binds, draft binds, verifier connects and handshakes."""
+    info = ray.get(handle.transfer.info.remote(), timeout=10 * timeout_s)
+    handle.ipc_dir = info["ipc_dir"]
+    ray.get(handle.transfer.start.remote(), timeout=timeout_s)
+    draft_endpoint = None
+    if handle.draft is not None:
+        wanted = endpoint("ipc", "draft", directory=info["ipc_dir"])
+        draft_endpoint = ray.get(handle.draft.bind.remote(wanted), timeout=10 * timeout_s)
+    slots = ray.get(
+        handle.verifier.connect.remote(info["slots"], info["endpoint"], draft_endpoint), timeout=10 * timeout_s
+    )
+    log.info("replica %s: %d slots, actors %s", handle.replica, slots, ", ".join(handle.names))

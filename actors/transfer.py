@@ -1,0 +1,103 @@
+"""TransferActor: the pinned host store, the shared slot storage and the copy thread.
+
+It creates the slot pool's storage as ``SharedSlots`` (and the link counters next to it) and a
+private ipc directory, binds the pull socket the verifier's ``RemoteLink`` pushes commands to,
+and serves them in a background thread (``specter.experts.transfer_server``). Control plane only
+through Ray: ``info``, ``start``, ``counters``, ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import msgspec
+import ray
+
+from actors.common import compute_dtype, setup_process, slot_groups
+from specter.actor_channel import ActorChannel
+from specter.channel import private_ipc_dir
+from specter.config import LinkConfig, SlotConfig
+from specter.experts.shared_counters import SharedCounters
+from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.experts.transfer_server import TransferServer
+from specter.models.loader import build_dense, load_store
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class TransferActor:
+    """Owns the host blobs, the shared slots and the copy thread.
+
+    Args:
+        model_dir: the target checkpoint.
+        budget: the device's expert budget (sizes the shared slots like the verifier's pool).
+        link: the link model.
+        prefix: shared-memory name prefix (default: a fresh one).
+        timeout_s: the handshake timeout.
+    """
+
+    def __init__(
+        self, model_dir: str, budget: SlotConfig, link: LinkConfig, prefix: str | None = None, timeout_s: float = 60.0
+    ):
+        setup_process()
+        loaded = build_dense(model_dir, compute_dtype())
+        self.store = load_store(loaded)
+        num_slots = sum(slot_groups(budget, loaded).values())
+        del loaded  # the dense parts are the verifier's; only the blobs stay here
+        self.prefix = prefix or new_prefix("specter")
+        self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype)
+        self.shared_counters = SharedCounters(self.prefix, create=True)
+        self.ipc = private_ipc_dir()
+        self.channel = ActorChannel("pull", self.ipc.endpoint("transfer"), bind=True, peer="verifier")
+        self.server = TransferServer(self.store, self.slots, self.shared_counters, link, self.channel)
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        log.info("transfer: %d experts in host memory, %d shared slots (%s)", len(self.store.layers)
+                 * self.store.num_experts, num_slots, self.prefix)
+
+    def info(self) -> dict[str, Any]:
+        """Where to find this actor's shared memory and sockets."""
+        return {
+            "slots": msgspec.json.encode(self.slots.handle).decode(),
+            "prefix": self.prefix,
+            "ipc_dir": str(self.ipc.path),
+            "endpoint": self.channel.address,
+            "pid": os.getpid(),
+        }
+
+    def start(self) -> None:
+        """Serve commands in a background thread (after the verifier's handshake)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="specter-transfer", daemon=True)
+            self._thread.start()
+
+    def counters(self) -> dict[str, float]:
+        """Link counters (also mirrored in shared memory for the verifier)."""
+        moved, busy, transfers = self.shared_counters.read()
+        return {"bytes_moved": moved, "busy_s": busy, "transfers": transfers, "rejected": self.server.rejected}
+
+    def close(self) -> list[str]:
+        """Stop serving, close the socket, remove the ipc dir and the shared memory; returns what
+        ``unlink_prefix`` still had to remove (nothing when all went well)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.server.close()
+        self.channel.close()
+        self.ipc.cleanup()
+        self.slots.close()
+        self.slots.unlink()
+        self.shared_counters.close()
+        return unlink_prefix(self.prefix)
+
+    def _serve(self) -> None:
+        try:
+            self.channel.handshake("transfer", self.timeout_s)
+            self.server.serve(self._stop)
+        except Exception:
+            log.exception("transfer: the command loop stopped")

@@ -1,0 +1,124 @@
+"""VerifierActor: the target's dense parts, the slot pool's residency map, policies, the round.
+
+Its slot pool's storage is the transfer actor's ``SharedSlots``; its link is a ``RemoteLink``
+(commands over ZeroMQ, readiness from the seq table). With a draft actor, the engine's proposer
+is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
+stats; nothing per token crosses Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import ray
+
+from actors.common import DEVICE, compute_dtype, setup_process, slot_groups
+from specter.actor_channel import ActorChannel
+from specter.config import SamplingConfig, SlotConfig
+from specter.engine import Engine
+from specter.experts.remote_experts import RemoteExperts, ShapeStore
+from specter.experts.remote_link import RemoteLink
+from specter.experts.shared_counters import SharedCounters
+from specter.experts.shm import SharedSlots, SlotsHandle
+from specter.experts.slots import SlotPool
+from specter.models.loader import LoadedModel, build_dense
+from specter.plan import make_policy
+from specter.protocol import Shutdown
+from specter.remote_proposer import RemoteProposer
+from specter.target import OffloadedTarget
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class VerifierActor:
+    """The verify side of the engine.
+
+    Args:
+        model_dir: the target checkpoint.
+        budget: the device's expert budget.
+        policy: the policy name it starts with.
+        timeout_s: transfer, handshake and draft timeouts.
+    """
+
+    def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0):
+        setup_process()
+        self.model_dir, self.budget, self.policy_name, self.timeout_s = model_dir, budget, policy, timeout_s
+        self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
+        self.target: OffloadedTarget | None = None
+        self.proposer: RemoteProposer | None = None
+        self.channels: list[ActorChannel] = []
+
+    def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None) -> int:
+        """Attach the shared slots, connect and handshake both channels, fill the initial slots.
+
+        Returns the number of slots.
+        """
+        handle = msgspec.json.decode(slots_json, type=SlotsHandle)
+        self.slots = SharedSlots.attach(handle)
+        self.counters = SharedCounters(handle.prefix, create=False)
+        link_channel = ActorChannel("push", transfer_endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
+        self.channels.append(link_channel)
+        link_channel.handshake("verifier")
+        self.link = RemoteLink(link_channel, self.slots, self.counters)
+        if draft_endpoint:
+            draft_channel = ActorChannel("pair", draft_endpoint, bind=False, peer="draft", timeout_s=self.timeout_s)
+            self.channels.append(draft_channel)
+            draft_channel.handshake("verifier")
+            self.proposer = RemoteProposer(draft_channel, self.timeout_s)
+        self._build(self.policy_name)
+        return self.slots.num_slots
+
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+        top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
+        eos_token_id: int | None = None,
+    ) -> dict[str, Any]:
+        """One request from the initial residency (``Engine.generate_fresh``): tokens and stats."""
+        if policy is not None and policy != self.policy_name:
+            self._build(policy)
+        assert self.target is not None, "connect() first"
+        k = self.target.offload.policy.default_window if window is None else window
+        if k and self.proposer is None:
+            raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")
+        engine = Engine(self.target, window=k, proposer=self.proposer if k else None)
+        sampling = SamplingConfig(temperature, top_p, top_k, seed)
+        tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id)
+        return {"tokens": tokens, "stats": stats.to_dict()}
+
+    def close(self) -> None:
+        """Tell the peers to stop, close the sockets and unmap the shared memory."""
+        for channel in self.channels:
+            try:
+                channel.send(Shutdown("verifier closing"), timeout_s=1.0)
+            except Exception as exc:  # a peer already gone: nothing more to tell it
+                log.info("verifier: %s", exc)
+            channel.close()
+        if self.target is not None:
+            self.target.close()
+        if hasattr(self, "slots"):
+            self.slots.close()
+            self.counters.close()
+
+    def _build(self, policy: str) -> None:
+        """A fresh offloaded target for ``policy`` (a policy may hook the model: reload the dense
+        parts); in-flight transfers of the old pool land first so that none overwrites a new slot."""
+        if self.target is not None:
+            old = self.target.offload
+            for key in list(old.pool.loading):
+                old.wait(key)
+        loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
+        self._loaded = None
+        groups = slot_groups(self.budget, loaded)
+        pool = SlotPool(loaded.shape, groups, DEVICE)
+        if pool.num_slots != self.slots.num_slots:
+            raise RuntimeError(f"slots: the verifier sizes {pool.num_slots} slots, the transfer actor {self.slots.num_slots}")
+        pool.storage = self.slots.storage
+        store = ShapeStore(loaded.moe_layers, loaded.num_experts, loaded.shape)
+        offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
+        offload.prefill_slots()
+        self.target = OffloadedTarget(loaded, offload, DEVICE)
+        self.policy_name = policy
+        log.info("verifier: policy %s, %d slots over %s", policy, pool.num_slots, self.link.describe())

@@ -1,0 +1,155 @@
+"""A ``Link`` whose copies happen in another process (the transfer actor).
+
+``submit``/``promote``/``cancel`` send ``FetchExpert``/``PromoteFetch``/``DropFetch`` over a
+ZeroMQ push channel; a transfer's completion is read from the shared slots' seq table (its
+``done`` is a :class:`SeqEvent`), so readiness costs no message and no Ray call. Counters come
+from the transfer side's :class:`~specter.experts.shared_counters.SharedCounters`.
+
+Whether a transfer has started is also read from the table (its slot's sequence number moved
+since it was submitted). A cancel that races with the copy thread starting that very transfer is
+answered True here although the copy goes on: the slot then receives the old blob before any later
+transfer into it (one copy thread, in order), and readers only trust a slot whose published key is
+the one they wait for, so the stray copy is harmless (docs/actors.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from specter.actor_channel import ActorChannel
+from specter.actor_messages import DropFetch, FetchExpert, PromoteFetch
+from specter.experts.link import DEMAND, Link, LinkError, Transfer
+from specter.experts.shared_counters import SharedCounters
+from specter.experts.shm import SharedSlots, SlotTimeout
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]
+_FOREVER_S = 1e9
+
+
+class SeqEvent(threading.Event):
+    """Set once ``slots`` shows ``key`` published in ``slot`` at a sequence number after ``after``."""
+
+    def __init__(self, slots: SharedSlots, slot: int, key: Key, after: int):
+        super().__init__()
+        self.slots, self.slot, self.after = slots, slot, after
+        self.key: Key = (key[0], key[1])
+
+    def is_set(self) -> bool:
+        if super().is_set():
+            return True
+        got, seq = self.slots.read(self.slot)
+        if got == self.key and seq > self.after:
+            self.set()
+            return True
+        return False
+
+    def started(self) -> bool:
+        """The slot has been claimed for a write since the transfer was submitted."""
+        return self.is_set() or self.slots.read(self.slot)[1] != self.after
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.is_set():
+            return True
+        try:
+            self.slots.wait_ready(self.slot, self.key, self.after + 1, _FOREVER_S if timeout is None else timeout)
+        except SlotTimeout as exc:
+            log.debug("%s", exc)
+            return False
+        self.set()
+        return True
+
+
+class RemoteLink(Link):
+    """The verifier's link: commands to the transfer actor, readiness from shared memory.
+
+    Args:
+        channel: a connected push channel to the transfer actor (handshake done).
+        slots: the attached shared slots (``slots.storage`` is the verifier's slot pool).
+        counters: the transfer side's counters, attached.
+    """
+
+    name = "remotelink"
+
+    def __init__(self, channel: ActorChannel, slots: SharedSlots, counters: SharedCounters):
+        # No worker thread here: the transfer actor's copy thread does the work.
+        self.channel, self.slots, self.counters = channel, slots, counters
+        self._ids = itertools.count()
+        self._id_of: weakref.WeakKeyDictionary[Transfer, int] = weakref.WeakKeyDictionary()
+        self._closed = False
+
+    # Counters live on the transfer side; the base class's attributes become read-only views.
+    @property
+    def bytes_moved(self) -> int:  # type: ignore[override]
+        return self.counters.read()[0]
+
+    @property
+    def busy_s(self) -> float:  # type: ignore[override]
+        return self.counters.read()[1]
+
+    @property
+    def transfers(self) -> int:  # type: ignore[override]
+        return self.counters.read()[2]
+
+    def submit(
+        self, key: Key, slot: int, src: torch.Tensor, dst: torch.Tensor, priority: int, wait_for: Any = None
+    ) -> Transfer:
+        """Ask the transfer actor to copy ``key`` into ``slot``; ``src`` is not used here."""
+        return self._send_fetch(key, slot, dst, priority, timed=True)
+
+    def place(self, placements: list[tuple[Key, int]], timeout: float) -> None:
+        """Fill slots untimed (the initial residency) and wait until all are published."""
+        transfers = [
+            self._send_fetch(key, slot, self.slots.storage[slot], DEMAND, timed=False) for key, slot in placements
+        ]
+        for transfer in transfers:
+            transfer.wait(timeout)
+
+    def promote(self, transfer: Transfer) -> None:
+        """Make a queued prefetch urgent."""
+        if transfer.priority == DEMAND or self._started(transfer):
+            return
+        transfer.priority = DEMAND
+        self.channel.send(PromoteFetch(self._id_of[transfer]))
+
+    def cancel(self, transfer: Transfer) -> bool:
+        """Drop a transfer that has not started (as seen in the seq table)."""
+        if self._started(transfer):
+            return False
+        transfer.cancelled = True
+        self.channel.send(DropFetch(self._id_of[transfer]))
+        return True
+
+    def queued(self) -> int:
+        return sum(1 for t in self._id_of if not (t.cancelled or self._started(t)))
+
+    def close(self) -> None:
+        """Forget the transfer actor; the channel belongs to the caller."""
+        self._closed = True
+
+    def describe(self) -> str:
+        return f"remote:{self.channel.address}"
+
+    def _send_fetch(self, key: Key, slot: int, dst: torch.Tensor, priority: int, timed: bool) -> Transfer:
+        if self._closed:
+            raise LinkError("the remote link is closed")
+        _, seq = self.slots.read(slot)
+        empty = torch.empty(0, dtype=dst.dtype)
+        nbytes = dst.numel() * dst.element_size()
+        event = SeqEvent(self.slots, slot, key, seq)
+        transfer = Transfer((key[0], key[1]), slot, nbytes, priority, empty, dst, None, done=event)  # type: ignore[arg-type]
+        tid = next(self._ids)
+        self._id_of[transfer] = tid
+        self.channel.send(FetchExpert(tid, key[0], key[1], slot, priority, timed))
+        return transfer
+
+    def _started(self, transfer: Transfer) -> bool:
+        done = transfer.done
+        return done.started() if isinstance(done, SeqEvent) else done.is_set()

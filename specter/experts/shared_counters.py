@@ -1,0 +1,58 @@
+"""The transfer side's link counters, mirrored into a small shared-memory segment.
+
+Three float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
+transfers done. One writer (the transfer actor's copy thread, before it publishes a slot) and any
+number of readers (the verifier's ``RemoteLink``), so a reader that has seen an expert land also
+sees the counters that include it. Named under the slots' prefix so ``unlink_prefix`` removes it.
+"""
+
+from __future__ import annotations
+
+import sys
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from specter.experts.shm import _fence, _shm_unlink
+
+WORDS = 3  # bytes moved, busy seconds, transfers
+
+
+class SharedCounters:
+    """``(bytes_moved, busy_s, transfers)`` in shared memory.
+
+    Args:
+        prefix: the shared slots' name prefix; the segment is ``<prefix>-counters``.
+        create: make the segment (the transfer side) or attach to it (the verifier).
+    """
+
+    def __init__(self, prefix: str, create: bool):
+        self.name = f"{prefix}-counters"
+        self.owner = create
+        self._shm = SharedMemory(self.name, create=create, size=8 * WORDS)
+        if sys.version_info < (3, 13):  # see specter.experts.shm._untrack
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._words = np.ndarray((WORDS,), dtype="<f8", buffer=self._shm.buf)
+        if create:
+            self._words[:] = 0.0
+
+    def add(self, nbytes: int, busy_s: float, transfers: int = 1) -> None:
+        """Count one finished transfer (writer side only)."""
+        self._words[0] += nbytes
+        self._words[1] += busy_s
+        self._words[2] += transfers
+        _fence()
+
+    def read(self) -> tuple[int, float, int]:
+        """``(bytes_moved, busy_s, transfers)`` now."""
+        _fence()
+        words = self._words.copy()
+        return int(words[0]), float(words[1]), int(words[2])
+
+    def close(self) -> None:
+        """Unmap; the creator also removes the name."""
+        self._words = np.zeros(WORDS, dtype="<f8")
+        self._shm.close()
+        if self.owner:
+            _shm_unlink(self.name)

@@ -1,0 +1,128 @@
+"""Who proposes the draft tokens of a round: a draft in this process, or one behind a socket.
+
+The engine asks a ``Proposer`` for K tokens per round. ``LocalProposer`` runs a draft model here
+(the in-process engine); ``specter.remote_proposer.RemoteProposer`` asks the draft actor over
+ZeroMQ. Both hand each draft step's routing to ``on_plan`` the moment the step finishes, so that
+transfers start while the draft is still drafting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from specter.config import SamplingConfig
+from specter.protocol import PlanDelta
+from specter.target import crop_cache
+from specter.verify.sampling import probabilities
+
+Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+OnPlan = Callable[[PlanDelta], None]
+_SEED_MIX = 0x5851F42D4C957F2D  # draft sampling uses its own generator, seeded apart from the verifier's
+
+
+class Draft(Protocol):
+    """What the engine needs of a draft model."""
+
+    @property
+    def last_routing(self) -> Routing: ...
+
+    def new_cache(self) -> DynamicCache: ...
+
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor: ...
+
+
+class Proposer(Protocol):
+    """Draft tokens for the engine's rounds."""
+
+    def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        """A request starts: process the prompt and seed the draft's sampling."""
+
+    def propose(
+        self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """K draft tokens after ``seq`` and, when sampling, the (V,) distribution of each."""
+
+    def rollback(self, length: int) -> None:
+        """Only the first ``length`` positions of the sequence stand (the rest was rejected)."""
+
+
+def draft_seed(seed: int) -> int:
+    """The seed of the draft's own generator for a request seeded ``seed``."""
+    return (seed ^ _SEED_MIX) & (2**63 - 1)
+
+
+def plan_delta(round_id: int, step: int, routing: Routing) -> PlanDelta:
+    """A draft step's routing (top-k ids and router weights per MoE layer) as a plan delta."""
+    layers = sorted(routing)
+    experts = [routing[layer][0].flatten().tolist() for layer in layers]
+    probs = [routing[layer][1].flatten().tolist() for layer in layers]
+    return PlanDelta(round_id, step, layers, experts, probs)
+
+
+class LocalProposer:
+    """A draft model in this process, with its KV cache and its own sampling generator.
+
+    Args:
+        draft: the draft model.
+    """
+
+    def __init__(self, draft: Draft):
+        self.draft = draft
+        self.cache: DynamicCache | None = None
+        self.done = 0  # positions the draft's cache holds
+        self.sampling = SamplingConfig()
+        self.gen = torch.Generator()
+
+    def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        """Draft cache over the prompt; seeds the draft's generator from the request's seed."""
+        self.cache = self.draft.new_cache()
+        self.draft.forward(torch.tensor([prompt_ids]), self.cache)
+        self.done = len(prompt_ids)
+        self.sampling = sampling
+        self.gen.manual_seed(draft_seed(sampling.seed))
+
+    def propose(
+        self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """K draft steps after ``seq``; see :meth:`extend`."""
+        return self.extend(round_id, seq[self.done :], k, on_plan, route_last)
+
+    def extend(
+        self, round_id: int, pending: list[int], k: int, on_plan: OnPlan, route_last: bool
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Feed ``pending`` (the tokens the cache lacks), then K draft steps.
+
+        After each step its routing goes to ``on_plan`` at once. With ``route_last`` one more
+        forward routes the last draft token's position too, so the plan covers all K+1
+        positions the verify pass will run (its logits are not needed).
+        """
+        assert self.cache is not None, "prefill() first"
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for step in range(k):
+            logits = self.draft.forward(torch.tensor([pending]), self.cache)[0, -1]
+            self.done += len(pending)
+            on_plan(plan_delta(round_id, step, self.draft.last_routing))
+            if self.sampling.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                q = probabilities(logits, self.sampling)
+                token = int(torch.multinomial(q.cpu(), 1, generator=self.gen))
+                qs.append(q.cpu())
+            drafts.append(token)
+            pending = [token]
+        if route_last and drafts:
+            self.draft.forward(torch.tensor([pending]), self.cache)
+            self.done += 1
+            on_plan(plan_delta(round_id, k, self.draft.last_routing))
+        return drafts, qs
+
+    def rollback(self, length: int) -> None:
+        """Crop the draft cache to the accepted prefix."""
+        self.done = min(self.done, length)
+        if self.cache is not None:
+            crop_cache(self.cache, self.done)

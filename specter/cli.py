@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
     gen.add_argument("--json", action="store_true", help="end with one JSON line: tokens, text, stats")
+    gen.add_argument("--address", default=None,
+                     help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
+                          "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
     _add_bench(commands)
     add_quantize_command(commands)
     return parser
@@ -206,27 +209,69 @@ def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Samp
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specter.draft.loading import check_draft_matches, load_draft
-    from specter.engine import Engine
+    from specter.draft.loading import check_draft_matches
     from specter.models.checkpoint import read_config_dict, resolve_model_dir
-    from specter.target import MemoryRequest, OffloadedTarget
 
     sampling = _sampling(args, parser)
     window = _window(args, parser)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: must not be empty")
+    if args.address is not None and args.device_memory is not None:
+        parser.error("argument --device-memory: not available with --address yet; use --budget")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     link = args.link or (LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
     if isinstance(link, str):
         link = _profile_link(link, args.model)
-    draft = None
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
                             read_config_dict(resolve_model_dir(args.model)))
-        draft = load_draft(args.draft, device=args.device)
     budget = None
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
+    run = _through_actors if args.address is not None else _in_process
+    tokens, text, stats = run(args, parser, link, budget, window, sampling)
+    if args.json:
+        print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))
+        return 0
+    print((args.prompt or "") + text if text or args.prompt else " ".join(map(str, tokens)))
+    spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
+    where = f" via actors at {args.address}" if args.address else ""
+    print(
+        f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms, hit rate "
+        f"{stats['hit_rate']:.2f} ({stats['hits']} hits, {stats['inflight']} in flight, {stats['misses']} misses), "
+        f"{stats['bytes_moved'] / 1e6:.1f} MB moved, link busy {stats['link_busy_fraction']:.0%}{spec}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise CheckpointError(f"{args.model} has no tokenizer; pass --prompt-ids instead of --prompt")
+        return list(tokenizer.encode(args.prompt))
+    if max(args.prompt_ids) >= vocab:
+        parser.error(f"argument --prompt-ids: token id {max(args.prompt_ids)} is outside the vocabulary (size {vocab})")
+    return list(args.prompt_ids)
+
+
+def _eos(model: str) -> int | None:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        return None
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def _in_process(args, parser, link, budget, window, sampling):  # type: ignore[no-untyped-def]
+    """The engine in this process (tests, profiling)."""
+    from specter.draft.loading import load_draft
+    from specter.engine import Engine
+    from specter.target import MemoryRequest, OffloadedTarget
+
+    draft = load_draft(args.draft, device=args.device) if args.draft is not None else None
     memory = MemoryRequest(args.device_memory, getattr(draft, "device_bytes", 0), window=window)
     target = OffloadedTarget.load(args.model, budget, link, args.policy, device=args.device,
                                   dtype=_DTYPES.get(args.dtype or ""), memory=memory)
@@ -234,35 +279,28 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(target.memory_plan.describe(), file=sys.stderr)
     try:
         tokenizer = target.tokenizer
-        if args.prompt is not None:
-            if tokenizer is None:
-                raise CheckpointError(f"{args.model} has no tokenizer; pass --prompt-ids instead of --prompt")
-            prompt_ids = tokenizer.encode(args.prompt)
-        else:
-            prompt_ids = args.prompt_ids
-        vocab = target.model.config.vocab_size
-        if max(prompt_ids) >= vocab:
-            parser.error(f"argument --prompt-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})")
-        eos = getattr(target.model.generation_config, "eos_token_id", None)
-        eos = eos[0] if isinstance(eos, list) else eos
+        prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
         engine = Engine(target, draft, window)
-        tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=eos)
+        tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model))
     finally:
         target.close()
     text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
-    if args.json:
-        print(json.dumps({"tokens": tokens, "text": text, "stats": stats.to_dict()}))
-    else:
-        print((args.prompt or "") + text if tokenizer is not None else " ".join(map(str, tokens)))
-        extra = stats.extra
-        spec = f", accepted {extra['mean_accepted']:.2f}/{window}, recall {extra['recall']:.2f}" if window else ""
-        print(
-            f"[{args.policy}: {stats.new_tokens} tokens, TPOT {stats.tpot_s * 1e3:.2f} ms, hit rate "
-            f"{stats.hit_rate:.2f} ({stats.hits} hits, {stats.inflight} in flight, {stats.misses} misses), "
-            f"{stats.bytes_moved / 1e6:.1f} MB moved, link busy {stats.link_busy_fraction:.0%}{spec}]",
-            file=sys.stderr,
-        )
-    return 0
+    return tokens, text, stats.to_dict()
+
+
+def _through_actors(args, parser, link, budget, window, sampling):  # type: ignore[no-untyped-def]
+    """The three Ray actors (a local Ray, or a running cluster)."""
+    from actors.client import Client
+    from specter.models.checkpoint import read_config_dict, resolve_model_dir
+
+    vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
+    address = None if args.address == "none" else args.address
+    with Client(args.model, args.draft, budget, link, args.policy, address=address) as client:
+        prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
+        out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
+                              window=window, eos_token_id=_eos(args.model))[0]
+    return out["tokens"], out["text"], out["stats"]
 
 
 def main(argv: list[str] | None = None) -> int:

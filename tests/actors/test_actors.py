@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -125,3 +126,19 @@ def test_client_generates_token_ids_prompts(local_ray, models) -> None:
     for name in names:
         with pytest.raises(ValueError):
             ray.get_actor(name)
+
+
+def test_cli_generate_through_actors_equals_in_process(local_ray, models, capsys) -> None:
+    """`specter generate --address …` goes through the actors and prints the in-process tokens."""
+    from specter.cli import main
+
+    folder, draft = models
+    argv = ["generate", "--model", str(folder), "--draft", str(draft), "--policy", "specter", "--window", "4",
+            "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--budget", "0.25",
+            "--link", "sim:2,5", "--json"]
+    assert main(argv) == 0
+    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(argv + ["--address", "local"]) == 0  # Ray is up already: the client uses it
+    remote = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert remote["tokens"] == local["tokens"] == _reference(folder)
+    assert remote["stats"]["rounds"] == local["stats"]["rounds"] > 0

@@ -24,6 +24,7 @@ from specter.target import OffloadedTarget
 log = logging.getLogger(__name__)
 
 BASELINE = "demand-lru"
+ACTORS = "specter@actors"
 
 
 @dataclass
@@ -40,6 +41,7 @@ class BenchConfig:
     per_layer: bool = False
     new_tokens: int = 128
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
+    actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
 
 
 def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[float, int]:
@@ -101,6 +103,9 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
     budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
     targets = {p: OffloadedTarget.load(config.model, budget, link, p) for p in config.policies}
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
+    handle, owns_ray = _launch_actors(config, link, budget) if config.actors else (None, False)
+    if handle is not None:
+        runs[ACTORS] = []
     t0 = time.perf_counter()
     try:
         for i, prompt in enumerate(config.prompts):
@@ -110,6 +115,10 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
                 engine = Engine(targets[policy], use_draft, window if use_draft else 0, untimed_prefill=True)
                 _, stats = engine.generate_fresh(prompt, config.new_tokens)
                 runs[policy].append(stats.to_dict())
+            if handle is not None:  # the same policy and window, through the actors, same prompt
+                window = config.windows.get("specter", POLICIES["specter"].default_window)
+                out = handle.generate(prompt, config.new_tokens, window=window, policy="specter")
+                runs[ACTORS].append(out["stats"])
             if progress:
                 done = i + 1
                 eta = (time.perf_counter() - t0) / done * (len(config.prompts) - done)
@@ -117,7 +126,28 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
     finally:
         for target in targets.values():
             target.close()
+        if handle is not None:
+            handle.shutdown()
+            if owns_ray:
+                import ray
+
+                ray.shutdown()
     return runs
+
+
+def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig) -> tuple[Any, bool]:
+    """One engine trio on a local Ray (started here if none is running)."""
+    import os
+
+    import ray
+
+    from actors.launcher import launch
+
+    started = not ray.is_initialized()
+    if started:  # a local Ray for this profile, shut down with the trio
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return launch(config.model, config.draft, budget, link, policy="specter"), started
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
@@ -176,6 +206,9 @@ def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
             ratio = sp["tpot_s"] / s["oracle"]["tpot_s"]
             checks.append((f"[{name}] specter within 1.15x of oracle", ratio <= 1.15, f"{ratio:.2f}x"))
         checks.append((f"[{name}] prediction recall >= 0.9", sp["recall"] >= 0.9, f"{sp['recall']:.2f}"))
+        if ACTORS in s:
+            over = s[ACTORS]["tpot_s"] / sp["tpot_s"] - 1
+            checks.append((f"[{name}] actors overhead <= 5% of TPOT", over <= 0.05, f"{over:+.1%}"))
     passed = [n for n, x in at_2x if x >= 2.0]
     numbers = ", ".join(f"{n}: {x:.2f}x" for n, x in at_2x)
     checks.insert(0, ("specter >= 2.0x faster than demand-lru under >= 2 profiles", len(passed) >= 2, numbers))

@@ -134,6 +134,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
                        help="override a policy's K, e.g. --window specter=6 (repeatable)")
     bench.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens (a few minutes)")
+    bench.add_argument("--actors", action="store_true",
+                       help="add a 'specter@actors' column: specter through the Ray actors, same prompts")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")
 
 
@@ -164,6 +166,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                args.per_layer, tokens)
     if args.quick:
         config.k_candidates = (2, 4, 8)
+    config.actors = args.actors
     results = bench.run(config)
     print(bench.table(results))
     print()

@@ -61,3 +61,14 @@ def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
     files = bench.save(results, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "results.json").read_text())["profiles"]
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
+
+
+def test_bench_actors_column_runs_specter_through_the_actors(tiny_dir):
+    folder = tiny_dir("mixtral")
+    config = bench.BenchConfig(str(folder), str(folder), [[3, 17, 25, 9]], ["qwen2moe-pcie4"],
+                               policies=["demand-lru", "specter"], windows={"specter": 3}, new_tokens=5,
+                               actors=True)
+    results = bench.run(config, progress=False)
+    runs = results["profiles"]["qwen2moe-pcie4"]["runs"]
+    assert runs[bench.ACTORS][0]["rounds"] == runs["specter"][0]["rounds"] > 0
+    assert any("actors overhead" in claim for claim, _, _ in bench.bar(results))

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from specter.config import SamplingConfig
+from specter.draft.loading import check_draft_matches
 from specter.proposer import Draft, LocalProposer, Proposer, Routing
 from specter.protocol import PlanDelta
 from specter.stats import RequestStats
@@ -50,6 +51,8 @@ class Engine:
             raise ValueError(f"window: K must be in [0, 64], got {window}")
         if window > 0 and draft is None and proposer is None:
             raise ValueError("window: K > 0 needs a draft model")
+        if draft is not None and hasattr(draft, "model"):
+            check_draft_matches(draft.model.config.to_dict(), target.model.config.to_dict())
         self.target = target
         self.draft = draft if window > 0 else None
         if window > 0 and proposer is None:
@@ -69,10 +72,7 @@ class Engine:
     ) -> tuple[list[int], RequestStats]:
         """Up to ``max_new_tokens`` new token ids after ``prompt_ids``, and the request's stats."""
         sampling = sampling or SamplingConfig()
-        if not prompt_ids:
-            raise ValueError("prompt: must hold at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        self._check_request(prompt_ids, max_new_tokens)
         gen = torch.Generator().manual_seed(sampling.seed)
         before = (self.target.offload.counters.snapshot(), _link_state(self.target))
         self.policy.begin_request()
@@ -104,6 +104,24 @@ class Engine:
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
         return tokens, stats
+
+    def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Reject a request the model cannot serve, naming the field, before any work."""
+        config = self.target.model.config
+        if not prompt_ids:
+            raise ValueError("prompt: must hold at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < config.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {config.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+        context = getattr(config, "max_position_embeddings", None)
+        # The verify pass may run up to K positions past the last committed token.
+        need = len(prompt_ids) + max_new_tokens + self.window
+        if context is not None and need > context:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"+ window ({self.window}) = {need} exceeds the model's context of {context} positions"
+            )
 
     def generate_fresh(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
+from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
@@ -22,14 +20,6 @@ NEW = 14
 LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 
 
-def _noisy_copy(folder, dst, scale=0.15, seed=1):
-    """A draft that mostly agrees with the target: its weights with relative noise added."""
-    shutil.copytree(folder, dst)
-    torch.manual_seed(seed)
-    tensors = load_file(str(dst / "model.safetensors"))
-    noisy = {k: v + scale * v.std() * torch.randn_like(v) if v.dim() == 2 else v for k, v in tensors.items()}
-    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
@@ -37,7 +27,7 @@ def setup(request, tiny_dir, tmp_path_factory):
     folder = tiny_dir(request.param)
     ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
     out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    draft = ResidentDraft(_noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d"))
+    draft = ResidentDraft(noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d"))
     return folder, ref.config.num_experts_per_tok, out[0, len(PROMPT):].tolist(), draft
 
 
@@ -123,7 +113,7 @@ def test_sampled_speculation_matches_the_targets_own_sampling(tiny_dir, tmp_path
             p2 = _warped(ref(torch.tensor([PROMPT + [a]])).logits[0, -1], **sampling)
             for b in torch.nonzero(p2).flatten().tolist():
                 joint[(a, b)] = float(p1[a] * p2[b])
-    draft = ResidentDraft(_noisy_copy(folder, tmp_path / "d", scale=0.4))
+    draft = ResidentDraft(noisy_copy(folder, tmp_path / "d", scale=0.4))
     target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy="specter")
     cells = sorted(joint)
     counts = dict.fromkeys(cells, 0)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
@@ -51,3 +53,13 @@ def save_tiny(family: str, folder: Path, seed: int = 0, dtype: torch.dtype = tor
                 param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
     model.save_pretrained(folder, **save_kwargs)
     return folder
+
+
+def noisy_copy(folder: Path, dst: Path, scale: float = 0.15, seed: int = 1) -> Path:
+    """A draft that mostly agrees with the target: its weights with relative noise added."""
+    shutil.copytree(folder, dst)
+    torch.manual_seed(seed)
+    tensors = load_file(str(dst / "model.safetensors"))
+    noisy = {k: v + scale * v.std() * torch.randn_like(v) if v.dim() == 2 else v for k, v in tensors.items()}
+    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import ray
 import torch
-from safetensors.torch import load_file, save_file
+from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
 from actors.client import Client
@@ -26,20 +25,12 @@ LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 BUDGET = SlotConfig(fraction=0.25)  # 6 of 24 routed experts
 
 
-def _noisy_copy(folder: Path, dst: Path, scale: float = 0.15, seed: int = 1) -> Path:
-    """A draft that mostly agrees with the target: its weights with relative noise added."""
-    shutil.copytree(folder, dst)
-    torch.manual_seed(seed)
-    tensors = load_file(str(dst / "model.safetensors"))
-    noisy = {k: v + scale * v.std() * torch.randn_like(v) if v.dim() == 2 else v for k, v in tensors.items()}
-    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")
 def models(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:
     folder = tiny_dir("mixtral")
-    return folder, _noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")
+    return folder, noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")
 
 
 @pytest.fixture(scope="module")

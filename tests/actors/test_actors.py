@@ -71,7 +71,10 @@ def _reference(folder: Path) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize(("policy", "window"), [("demand-lru", 0), ("specter", 4)])
+@pytest.mark.parametrize(
+    ("policy", "window"),
+    [("demand-lru", 0), ("gate-prefetch", 0), ("specmoeoff", 3), ("specter-paper", 4), ("specter", 4), ("oracle", 4)],
+)
 def test_greedy_through_actors_is_token_identical(engine, models, policy, window) -> None:
     folder, draft = models
     got = engine.generate(PROMPT, NEW, policy=policy, window=window)

@@ -97,3 +97,15 @@ def test_draft_that_does_not_match_the_target_is_refused(tiny_dir, tmp_path, fie
             Engine(target, ResidentDraft(other), 2)
     finally:
         target.close()
+
+
+def test_malformed_prompt_lines_are_reported_with_their_line_number(tmp_path):
+    from specter.prompts import read_jsonl
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "def f():"}\n\n{"id": "b", "prompt": 3}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:3: expected an object with a non-empty string 'prompt'"):
+        read_jsonl(path)
+    path.write_text('{"id": "a", "prompt": "x"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not valid JSON"):
+        read_jsonl(path)

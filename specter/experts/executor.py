@@ -79,14 +79,22 @@ class OffloadedExperts:
 
     def prefill_slots(self) -> None:
         """Fill empty slots round-robin over layers (expert 0 of every layer, then 1, …), untimed."""
+        for key, slot in self.claim_initial_slots():
+            self.pool.storage[slot].copy_(self.store.blob(*key))
+
+    def claim_initial_slots(self) -> list[tuple[Key, int]]:
+        """Record the initial residency in the map; returns the (expert, slot) pairs to fill."""
         order = [(lay, e) for e in range(self.store.num_experts) for lay in self.store.layers]
+        claimed: list[tuple[Key, int]] = []
         for key in order:
             if key in self.pool.where:
                 continue
             slots = self.pool.group_slots[self.pool.group_of(key[0])]
             free = next((s for s in slots if self.pool.owner[s] is None), None)
             if free is not None:
-                self.pool.place(key, free, self.store.blob(*key))
+                self.pool.claim(key, free)
+                claimed.append((key, free))
+        return claimed
 
     # -- one MoE layer --------------------------------------------------------------------
     def forward(

@@ -41,16 +41,5 @@ class RemoteExperts(OffloadedExperts):
         """Same order as the in-process fill (expert 0 of every layer, then 1, …), done remotely."""
         link = self.link
         assert isinstance(link, RemoteLink)
-        order = [(lay, e) for e in range(self.store.num_experts) for lay in self.store.layers]
-        placements = []
-        for key in order:
-            if key in self.pool.where:
-                continue
-            slots = self.pool.group_slots[self.pool.group_of(key[0])]
-            free = next((s for s in slots if self.pool.owner[s] is None), None)
-            if free is not None:
-                self.pool.owner[free] = key
-                self.pool.where[key] = free
-                self.pool.touch(key)
-                placements.append((key, free))
+        placements = self.claim_initial_slots()
         link.place(placements, self.timeout)

@@ -135,6 +135,10 @@ class SlotPool:
     def place(self, key: Key, slot: int, blob: torch.Tensor) -> None:
         """Put a blob into a slot synchronously (initial fill, outside any timed work)."""
         self.storage[slot].copy_(blob)
+        self.claim(key, slot)
+
+    def claim(self, key: Key, slot: int) -> None:
+        """Record ``key`` as resident in ``slot`` (its bytes are put there by the caller)."""
         self.owner[slot] = key
         self.where[key] = slot
         self.touch(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,30 @@ from specter.config import LinkConfig, SlotConfig
 from specter.target import _load_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None, num_cpus: int = 2) -> None:
+    """``"local"``/None: start a local Ray; ``"auto"``/``HOST:PORT``/``ray://…``: attach to a cluster."""
+    if address in (None, "local"):
+        # Ray 2.60 would otherwise write ~/.ray/auth_token and switch later clusters and the
+        # `ray` CLI on this machine to token authentication (NOTES.md).
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        return
+    if address == "auto" and _current_cluster().startswith("127.0.0.1:"):
+        # a head started with --node-ip-address=127.0.0.1: this driver must register on loopback too
+        os.environ.setdefault("RAY_NODE_IP_ADDRESS", "127.0.0.1")
+    ray.init(address=address)
+
+
+def _current_cluster() -> str:
+    """The address ``address="auto"`` resolves to (``RAY_ADDRESS``, else the newest local head)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        return Path(tempfile.gettempdir(), "ray", "ray_current_cluster").read_text().strip()
+    except OSError:
+        return ""
 
 
 class Client:
@@ -50,15 +75,7 @@ class Client:
         )
 
     def _init_ray(self, address: str | None, num_cpus: int) -> None:
-        if address in (None, "local"):
-            # Ray 2.60 would otherwise write ~/.ray/auth_token and switch later clusters and the
-            # `ray` CLI on this machine to token authentication (NOTES.md).
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
-        else:
-            if address == "auto":
-                os.environ.setdefault("RAY_NODE_IP_ADDRESS", "127.0.0.1")
-            ray.init(address=address)
+        init_ray(address, num_cpus)
         self._owns_ray = True
 
     def generate(
@@ -67,9 +84,11 @@ class Client:
         eos_token_id: int | None = None,
     ) -> list[dict[str, Any]]:
         """One ``{"text", "tokens", "stats"}`` per prompt (text is empty without a tokenizer)."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, list | tuple):
+            raise TypeError(f"prompts: expected a list of strings or of token-id lists, got {type(prompts).__name__}")
+        encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]  # all checked before any work
         results = []
-        for prompt in prompts:
-            ids = self._encode(prompt)
+        for ids in encoded:
             out = self.handle.generate(
                 ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                 window=window, policy=policy, eos_token_id=eos_token_id,
@@ -90,9 +109,16 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def _encode(self, prompt: object, index: int) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError(f"prompts[{index}]: must not be empty")
             if self.tokenizer is None:
-                raise ValueError("prompt: text needs a tokenizer; this checkpoint has none, give token ids")
+                raise ValueError(f"prompts[{index}]: text needs a tokenizer; this checkpoint has none, give token ids")
             return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+        if isinstance(prompt, list | tuple) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise TypeError(f"prompts[{index}]: expected a non-empty string or a non-empty list of int token ids, "
+                        f"got {type(prompt).__name__} {str(prompt)[:40]!r}")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import ray
 
 from actors.common import DEVICE, setup_process
+from actors.metrics import Recorder
 from specter.actor_channel import ActorChannel
 from specter.draft.loading import load_draft
 from specter.draft_server import DraftServer
@@ -22,24 +24,35 @@ class DraftActor:
     Args:
         draft_dir: a packed AWQ draft folder or a full-precision checkpoint.
         timeout_s: the handshake timeout.
+        replica: the replica's name (metric tags).
     """
 
-    def __init__(self, draft_dir: str, timeout_s: float = 60.0):
+    def __init__(self, draft_dir: str, timeout_s: float = 60.0, replica: str = ""):
         setup_process()
+        self.metrics = Recorder(replica, "draft")
         self.draft = load_draft(draft_dir, device=DEVICE)
         self.timeout_s = timeout_s
+        self.handshake_timeout_s = timeout_s
         self.channel: ActorChannel | None = None
         self.server: DraftServer | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def bind(self, endpoint: str) -> str:
-        """Bind the pair socket at ``endpoint`` and serve (after the verifier's handshake)."""
+    def bind(self, endpoint: str, handshake_timeout_s: float | None = None) -> str:
+        """Bind the pair socket at ``endpoint`` and serve (after the verifier's handshake, which may
+        come as late as ``handshake_timeout_s``)."""
+        if handshake_timeout_s is not None:
+            self.handshake_timeout_s = handshake_timeout_s
         self.channel = ActorChannel("pair", endpoint, bind=True, peer="verifier")
         self.server = DraftServer(self.draft, self.channel)
         self._thread = threading.Thread(target=self._serve, name="specter-draft", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._publish, name="specter-draft-metrics", daemon=True).start()
         return self.channel.address
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests)."""
+        return os.getpid()
 
     def rounds(self) -> int:
         """Rounds drafted so far."""
@@ -53,10 +66,17 @@ class DraftActor:
         if self.channel is not None:
             self.channel.close()
 
+    def _publish(self, every_s: float = 1.0) -> None:
+        last = 0
+        while not self._stop.wait(every_s):
+            rounds = self.rounds()
+            self.metrics.inc("specter_draft_rounds", rounds - last)
+            last = rounds
+
     def _serve(self) -> None:
         assert self.channel is not None and self.server is not None
         try:
-            self.channel.handshake("draft", self.timeout_s)
+            self.channel.handshake("draft", self.handshake_timeout_s)
             self.server.serve(self._stop)
         except Exception:
             log.exception("draft: the round loop stopped")

@@ -82,6 +82,9 @@ def launch(
     replica: str | None = None,
     timeout_s: float = 60.0,
     cpus_per_actor: float = BUNDLE_CPUS,
+    node_ip: str | None = None,
+    gpu: bool = False,
+    startup_timeout_s: float = 300.0,
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -94,55 +97,65 @@ def launch(
         replica: a name for this replica (actor names are ``specter-<replica>-<role>``).
         timeout_s: handshake, transfer and draft timeouts.
         cpus_per_actor: logical CPUs of each actor's bundle.
+        node_ip: pin the replica to this node (its ``node:IP`` resource); None lets Ray choose.
+        gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
+        startup_timeout_s: how long the actors may take to start and load the model (worker start-up
+            and loading, slow on a busy machine; separate from the peer timeouts).
 
     Raises:
         TimeoutError: the cluster has no room for the placement group (or an actor did not start).
     """
     replica = replica or secrets.token_hex(3)
     roles = ["transfer", "verifier"] + (["draft"] if draft is not None else [])
-    pg = placement_group([{"CPU": cpus_per_actor}] * len(roles), strategy="STRICT_PACK", name=f"specter-{replica}")
+    bundle: dict[str, float] = {"CPU": cpus_per_actor}
+    if gpu:
+        bundle["GPU"] = round(1 / len(roles), 4)
+    if node_ip is not None:
+        bundle[f"node:{node_ip}"] = 0.001
+    pg = placement_group([dict(bundle) for _ in roles], strategy="STRICT_PACK", name=f"specter-{replica}")
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
+        ray.get(pg.ready(), timeout=max(timeout_s, 10.0))
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise TimeoutError(
-            f"replica {replica}: no node has room for {len(roles)} x {cpus_per_actor} CPU within {timeout_s:.0f}s"
+            f"replica {replica}: no node has room for {len(roles)} x {bundle} within {max(timeout_s, 10.0):.0f}s"
         ) from None
 
     def where(role: str) -> dict[str, Any]:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=roles.index(role))
-        return {"name": f"specter-{replica}-{role}", "scheduling_strategy": strategy, "num_cpus": cpus_per_actor}
+        return {"name": f"specter-{replica}-{role}", "scheduling_strategy": strategy, "num_cpus": cpus_per_actor,
+                "num_gpus": bundle.get("GPU", 0)}
 
     prefix = f"specter-{replica}-{secrets.token_hex(4)}"
     transfer = TransferActor.options(**where("transfer")).remote(  # type: ignore[attr-defined]
-        str(model), budget, link, prefix, timeout_s
+        str(model), budget, link, prefix, timeout_s, replica
     )
     verifier = VerifierActor.options(**where("verifier")).remote(  # type: ignore[attr-defined]
-        str(model), budget, policy, timeout_s
+        str(model), budget, policy, timeout_s, replica
     )
     draft_actor = None
     if draft is not None:
-        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s)  # type: ignore[attr-defined]
+        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica)  # type: ignore[attr-defined]
     handle = EngineHandle(replica, pg, transfer, verifier, draft_actor, prefix, "", policy,
                           [f"specter-{replica}-{r}" for r in roles])
     try:
-        _wire(handle, timeout_s)
+        _wire(handle, timeout_s, startup_timeout_s)
     except BaseException:
         handle.shutdown()
         raise
     return handle
 
 
-def _wire(handle: EngineHandle, timeout_s: float) -> None:
+def _wire(handle: EngineHandle, timeout_s: float, startup_s: float) -> None:
     """Shared memory and sockets: transfer binds, draft binds, verifier connects and handshakes."""
-    info = ray.get(handle.transfer.info.remote(), timeout=10 * timeout_s)
+    info = ray.get(handle.transfer.info.remote(), timeout=startup_s)
     handle.ipc_dir = info["ipc_dir"]
-    ray.get(handle.transfer.start.remote(), timeout=timeout_s)
+    ray.get(handle.transfer.start.remote(startup_s), timeout=startup_s)
     draft_endpoint = None
     if handle.draft is not None:
         wanted = endpoint("ipc", "draft", directory=info["ipc_dir"])
-        draft_endpoint = ray.get(handle.draft.bind.remote(wanted), timeout=10 * timeout_s)
+        draft_endpoint = ray.get(handle.draft.bind.remote(wanted, startup_s), timeout=startup_s)
     slots = ray.get(
-        handle.verifier.connect.remote(info["slots"], info["endpoint"], draft_endpoint), timeout=10 * timeout_s
+        handle.verifier.connect.remote(info["slots"], info["endpoint"], draft_endpoint), timeout=startup_s
     )
     log.info("replica %s: %d slots, actors %s", handle.replica, slots, ", ".join(handle.names))

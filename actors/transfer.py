@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import msgspec
 import ray
 
 from actors.common import compute_dtype, setup_process, slot_groups
+from actors.metrics import Recorder
 from specter.actor_channel import ActorChannel
 from specter.channel import private_ipc_dir
 from specter.config import LinkConfig, SlotConfig
@@ -38,12 +40,17 @@ class TransferActor:
         link: the link model.
         prefix: shared-memory name prefix (default: a fresh one).
         timeout_s: the handshake timeout.
+        replica: the replica's name (metric tags).
+        metrics_every_s: how often the link's bytes and busy fraction go to the metrics.
     """
 
     def __init__(
-        self, model_dir: str, budget: SlotConfig, link: LinkConfig, prefix: str | None = None, timeout_s: float = 60.0
+        self, model_dir: str, budget: SlotConfig, link: LinkConfig, prefix: str | None = None, timeout_s: float = 60.0,
+        replica: str = "", metrics_every_s: float = 1.0,
     ):
         setup_process()
+        self.metrics = Recorder(replica, "transfer")
+        self.metrics_every_s = metrics_every_s
         loaded = build_dense(model_dir, compute_dtype())
         self.store = load_store(loaded)
         num_slots = sum(slot_groups(budget, loaded).values())
@@ -55,6 +62,7 @@ class TransferActor:
         self.channel = ActorChannel("pull", self.ipc.endpoint("transfer"), bind=True, peer="verifier")
         self.server = TransferServer(self.store, self.slots, self.shared_counters, link, self.channel)
         self.timeout_s = timeout_s
+        self.handshake_timeout_s = timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         log.info("transfer: %d experts in host memory, %d shared slots (%s)", len(self.store.layers)
@@ -70,11 +78,19 @@ class TransferActor:
             "pid": os.getpid(),
         }
 
-    def start(self) -> None:
-        """Serve commands in a background thread (after the verifier's handshake)."""
+    def start(self, handshake_timeout_s: float | None = None) -> None:
+        """Serve commands in a background thread (after the verifier's handshake, which may come
+        as late as ``handshake_timeout_s``: the other actors may still be loading)."""
+        if handshake_timeout_s is not None:
+            self.handshake_timeout_s = handshake_timeout_s
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="specter-transfer", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._publish, name="specter-transfer-metrics", daemon=True).start()
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests)."""
+        return os.getpid()
 
     def counters(self) -> dict[str, float]:
         """Link counters (also mirrored in shared memory for the verifier)."""
@@ -95,9 +111,22 @@ class TransferActor:
         self.shared_counters.close()
         return unlink_prefix(self.prefix)
 
+    def _publish(self) -> None:
+        """Bytes moved (counter) and the link's busy fraction over each interval (gauge)."""
+        last_moved, last_busy, last_t = 0.0, 0.0, time.monotonic()
+        while not self._stop.wait(self.metrics_every_s):
+            try:
+                moved, busy, _ = self.shared_counters.read()
+            except Exception:  # closing: the counters are unmapped
+                return
+            now = time.monotonic()
+            self.metrics.inc("specter_bytes_moved", moved - last_moved)
+            self.metrics.set("specter_link_busy_fraction", min(1.0, (busy - last_busy) / max(now - last_t, 1e-9)))
+            last_moved, last_busy, last_t = moved, busy, now
+
     def _serve(self) -> None:
         try:
-            self.channel.handshake("transfer", self.timeout_s)
+            self.channel.handshake("transfer", self.handshake_timeout_s)
             self.server.serve(self._stop)
         except Exception:
             log.exception("transfer: the command loop stopped")

@@ -9,12 +9,14 @@ stats; nothing per token crosses Ray.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import msgspec
 import ray
 
 from actors.common import DEVICE, compute_dtype, setup_process, slot_groups
+from actors.metrics import Recorder
 from specter.actor_channel import ActorChannel
 from specter.config import SamplingConfig, SlotConfig
 from specter.engine import Engine
@@ -41,10 +43,12 @@ class VerifierActor:
         budget: the device's expert budget.
         policy: the policy name it starts with.
         timeout_s: transfer, handshake and draft timeouts.
+        replica: the replica's name (metric tags).
     """
 
-    def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0):
+    def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = ""):
         setup_process()
+        self.metrics = Recorder(replica, "verifier")
         self.model_dir, self.budget, self.policy_name, self.timeout_s = model_dir, budget, policy, timeout_s
         self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
         self.target: OffloadedTarget | None = None
@@ -76,7 +80,30 @@ class VerifierActor:
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
         eos_token_id: int | None = None,
     ) -> dict[str, Any]:
-        """One request from the initial residency (``Engine.generate_fresh``): tokens and stats."""
+        """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
+
+        Its figures go to the replica's metrics; a request that raises counts as an error.
+        """
+        self.metrics.set("specter_queue_depth", 1)
+        try:
+            out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
+                                 eos_token_id)
+        except Exception:
+            self.metrics.inc("specter_request_errors")
+            raise
+        finally:
+            self.metrics.set("specter_queue_depth", 0)
+        self.metrics.request(out["stats"])
+        return out
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests)."""
+        return os.getpid()
+
+    def _generate(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
+        window: int | None, policy: str | None, eos_token_id: int | None,
+    ) -> dict[str, Any]:
         if policy is not None and policy != self.policy_name:
             self._build(policy)
         assert self.target is not None, "connect() first"

@@ -112,9 +112,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=None,
                      help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
                           "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
+    _add_batch(commands)
     _add_bench(commands)
     add_quantize_command(commands)
     return parser
+
+
+def _add_batch(commands: argparse._SubParsersAction) -> None:
+    batch = commands.add_parser(
+        "batch", help="generate for every prompt of a JSONL file through N replicas of the Ray actors",
+        description="Input lines: {\"id\", \"prompt\"} with optional max_new_tokens, temperature, seed. "
+                    "Output lines: {\"id\", \"text\", \"tokens\", \"stats\"}, appended and fsynced as each "
+                    "prompt finishes; a re-run resumes, skipping finished ids. Failed prompts go to "
+                    "OUT.errors.jsonl and are retried by the next run.",
+    )
+    batch.add_argument("input", metavar="INPUT", help="prompts JSONL")
+    batch.add_argument("--out", required=True, help="results JSONL (appended; finished ids are skipped)")
+    batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
+    batch.add_argument("--draft", default=None, help="draft folder (AWQ draft or full-precision checkpoint)")
+    batch.add_argument("--policy", default="demand-lru", choices=sorted(POLICIES), help="prefetch policy")
+    batch.add_argument("--window", type=int, default=None, help="draft tokens per round K, 1..64")
+    batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
+    batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
+    batch.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
+    batch.add_argument("--max-new-tokens", type=_positive_int, default=32, help="default for lines without one")
+    batch.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
+    batch.add_argument("--top-p", type=float, default=1.0)
+    batch.add_argument("--top-k", type=int, default=0)
+    batch.add_argument("--seed", type=int, default=0, help="default for lines without one")
+    batch.add_argument("--address", default="local",
+                       help="'local' (start a local Ray, the default), 'auto' (the running cluster, e.g. inside "
+                            "`ray job submit`) or HOST:PORT")
+    batch.add_argument("--replicas", type=_positive_int, default=1,
+                       help="engine trios (one per GPU on a GPU cluster, spread over the nodes)")
+    batch.add_argument("--on-bad-line", choices=("skip", "stop"), default="skip",
+                       help="a malformed input line: report it and go on (skip), or report all and stop before "
+                            "any work (stop)")
+    batch.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds one prompt may take before its replica is restarted and the prompt retried")
+    batch.add_argument("--retries", type=int, default=2, help="retries of a prompt whose replica failed")
+    batch.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
+    batch.add_argument("--num-cpus", type=_positive_int, default=2, help="CPUs of a local Ray")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -306,6 +345,81 @@ def _through_actors(args, parser, link, budget, window, sampling):  # type: igno
     return out["tokens"], out["text"], out["stats"]
 
 
+def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``specter batch``: validate everything, resume, then hand prompts out to the replicas."""
+    import time
+
+    import ray
+
+    from specter.draft.loading import check_draft_matches
+    from specter.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
+    from specter.models.checkpoint import read_config_dict, resolve_model_dir
+    from specter.target import _load_tokenizer
+
+    sampling = _sampling(args, parser)
+    window = _window(args, parser)
+    if args.request_timeout <= 0 or args.timeout <= 0:
+        parser.error("argument --request-timeout/--timeout: must be > 0 seconds")
+    if args.retries < 0:
+        parser.error(f"argument --retries: must be >= 0, got {args.retries}")
+    model_config = read_config_dict(resolve_model_dir(args.model))
+    if args.draft is not None:
+        check_draft_matches(read_config_dict(resolve_model_dir(args.draft)), model_config)
+    items, bad = read_batch(args.input, args.max_new_tokens, sampling.temperature, sampling.seed)
+    for error in bad:
+        print(f"specter batch: bad line: {error}", file=sys.stderr)
+    if bad and args.on_bad_line == "stop":
+        print(f"specter batch: {len(bad)} bad line(s) in {args.input}; nothing run (--on-bad-line stop)",
+              file=sys.stderr)
+        return 1
+    for error in bad:
+        append_error(args.out, {"line": error.line, "error": str(error)})
+    results = ResultsFile(args.out)
+    if results.repaired:
+        print(f"specter batch: cut a torn last line ({results.repaired} bytes) off {args.out}", file=sys.stderr)
+    todo = [item for item in items if item.id not in results.done]
+    print(f"specter batch: {len(items)} prompts in {args.input}, {len(items) - len(todo)} already in {args.out}, "
+          f"{len(todo)} to run on {args.replicas} replica(s)", file=sys.stderr)
+    if not todo:
+        results.close()
+        return 1 if bad and args.on_bad_line == "stop" else 0
+    link = args.link or LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6)
+    if isinstance(link, str):
+        link = _profile_link(link, args.model)
+    budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
+    tokenizer = _load_tokenizer(resolve_model_dir(args.model))
+    if tokenizer is None:
+        raise CheckpointError(f"{args.model} has no tokenizer; batch prompts are text")
+    from actors.batch import BatchOptions, run_batch
+    from actors.client import init_ray
+
+    options = BatchOptions(
+        str(args.model), args.draft, budget, link, args.policy, window, sampling.top_p, sampling.top_k,
+        _eos(args.model), args.replicas, args.request_timeout, args.retries, args.timeout,
+    )
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        init_ray(args.address, args.num_cpus)
+    t0 = time.monotonic()
+    progress = Progress(len(todo))
+    try:
+        report = run_batch(items, results, args.out, options, lambda text: list(tokenizer.encode(text)),
+                           lambda ids: str(tokenizer.decode(ids)), progress)
+    finally:
+        progress.close()
+        results.close()
+        if owns_ray:
+            ray.shutdown()
+    wall = time.monotonic() - t0
+    print(f"specter batch: {report.finished} finished, {report.failed} failed, {report.skipped} skipped (done "
+          f"before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
+          f"({report.tokens / max(wall, 1e-9):.1f} tok/s) -> {args.out}", file=sys.stderr)
+    if report.failed:
+        print(f"specter batch: failures are in {errors_path(args.out)}; re-run the same command to retry them",
+              file=sys.stderr)
+    return 1 if report.failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -313,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args, parser)
+        if args.command == "batch":
+            return _batch(args, parser)
         if args.command == "bench":
             return _bench(args, parser)
         if args.command == "quantize":

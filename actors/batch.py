@@ -1,0 +1,300 @@
+"""The batch driver: prompts handed out one at a time to N replicas, results appended as they finish.
+
+Each replica (a trio of actors, ``actors.launcher.launch``) holds at most one request, so a slow
+replica never holds the others back. A request that fails because of its input (the verifier
+raises ``ValueError``) is recorded in the errors file; one that fails because a replica broke (an
+actor died, a peer went silent past its timeout, the request ran past ``request_timeout_s``) gets
+the replica torn down and relaunched and is retried, up to ``retries`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.launcher import EngineHandle, launch
+from actors.metrics import Recorder
+from specter.config import LinkConfig, SlotConfig
+from specter.jobs import BatchItem, Progress, ResultsFile, append_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchOptions:
+    """How the replicas are built and requests are made (see ``specter batch --help``)."""
+
+    model: str
+    draft: str | None
+    budget: SlotConfig
+    link: LinkConfig
+    policy: str = "demand-lru"
+    window: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_id: int | None = None
+    replicas: int = 1
+    request_timeout_s: float = 600.0
+    retries: int = 2
+    timeout_s: float = 60.0
+
+
+@dataclass
+class BatchReport:
+    """What a run did."""
+
+    finished: int = 0
+    failed: int = 0
+    skipped: int = 0  # already in the results file
+    retried: int = 0
+    restarts: int = 0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Replica:
+    name: str
+    placement: dict[str, Any] = field(default_factory=dict)
+    handle: EngineHandle | None = None
+    busy: tuple[Any, BatchItem, int, float] | None = None  # (ref, item, attempt, started)
+
+
+Launcher = Callable[..., EngineHandle]
+
+
+def run_batch(
+    items: list[BatchItem],
+    results: ResultsFile,
+    out: str | Path,
+    options: BatchOptions,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    progress: Progress | None = None,
+    launcher: Launcher = launch,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> BatchReport:
+    """Run every item not yet in ``results`` (Ray must be initialized); returns the report."""
+    report = BatchReport(skipped=sum(item.id in results.done for item in items))
+    todo: deque[tuple[BatchItem, int]] = deque((item, 0) for item in items if item.id not in results.done)
+    driver = Recorder("all", "driver")
+    replicas = [_Replica(f"r{i}", placement) for i, placement in enumerate(spread(options.replicas))]
+    try:
+        for replica in replicas:
+            _start(replica, options, launcher)
+        while todo or any(r.busy for r in replicas):
+            driver.set("specter_queue_depth", len(todo))
+            for replica in replicas:
+                if replica.busy is None and todo:
+                    item, attempt = todo.popleft()
+                    _submit(replica, item, attempt, options, encode, report, out, driver, progress)
+            busy = {r.busy[0]: r for r in replicas if r.busy is not None}
+            if not busy:
+                continue
+            ready, _ = ray.wait(list(busy), num_returns=1, timeout=1.0)
+            for ref in ready:
+                _collect(
+                    busy[ref],
+                    options,
+                    results,
+                    out,
+                    decode,
+                    report,
+                    todo,
+                    driver,
+                    progress,
+                    launcher,
+                    on_result,
+                )
+            now = time.monotonic()
+            for replica in replicas:
+                if replica.busy is not None and now - replica.busy[3] > options.request_timeout_s:
+                    _, item, attempt, _ = replica.busy
+                    _fault(
+                        replica,
+                        item,
+                        attempt,
+                        TimeoutError(
+                            f"request {item.id!r} ran past --request-timeout {options.request_timeout_s:.0f}s"
+                        ),
+                        options,
+                        out,
+                        report,
+                        todo,
+                        driver,
+                        progress,
+                        launcher,
+                    )
+        driver.set("specter_queue_depth", 0)
+    finally:
+        for replica in replicas:
+            if replica.handle is not None:
+                replica.handle.shutdown()
+    return report
+
+
+def spread(replicas: int) -> list[dict[str, Any]]:
+    """Where each replica goes: one trio per GPU when the cluster has GPUs (a trio claims one GPU,
+    so Ray spreads the trios over the devices), else round-robin over the alive nodes when there are
+    several (``launch``'s ``node_ip``)."""
+    nodes = sorted(
+        n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")
+    )
+    gpu = ray.cluster_resources().get("GPU", 0) > 0
+    placements: list[dict[str, Any]] = []
+    for i in range(replicas):
+        placement: dict[str, Any] = {"gpu": gpu}
+        if len(nodes) > 1 and not gpu:
+            placement["node_ip"] = nodes[i % len(nodes)]
+        placements.append(placement)
+    return placements
+
+
+def _start(replica: _Replica, options: BatchOptions, launcher: Launcher) -> None:
+    for attempt in range(5):  # a killed actor's name is released asynchronously
+        try:
+            replica.handle = launcher(
+                options.model,
+                options.draft,
+                options.budget,
+                options.link,
+                options.policy,
+                replica=replica.name,
+                timeout_s=options.timeout_s,
+                **replica.placement,
+            )
+            return
+        except ValueError as exc:
+            if "already" not in str(exc) or attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+
+
+def _submit(
+    replica: _Replica,
+    item: BatchItem,
+    attempt: int,
+    options: BatchOptions,
+    encode: Callable[[str], list[int]],
+    report: BatchReport,
+    out: str | Path,
+    driver: Recorder,
+    progress: Progress | None,
+) -> None:
+    try:
+        ids = encode(item.prompt)
+    except Exception as exc:  # a tokenizer failure is this prompt's, not the replica's
+        _failed(item, f"prompt: could not be tokenized ({exc})", out, report, driver, progress)
+        return
+    assert replica.handle is not None
+    ref = replica.handle.verifier.generate.remote(
+        ids,
+        item.max_new_tokens,
+        temperature=item.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        seed=item.seed,
+        window=options.window,
+        policy=options.policy,
+        eos_token_id=options.eos_token_id,
+    )
+    replica.busy = (ref, item, attempt, time.monotonic())
+
+
+def _collect(
+    replica: _Replica,
+    options: BatchOptions,
+    results: ResultsFile,
+    out: str | Path,
+    decode: Callable[[list[int]], str],
+    report: BatchReport,
+    todo: deque[tuple[BatchItem, int]],
+    driver: Recorder,
+    progress: Progress | None,
+    launcher: Launcher,
+    on_result: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    assert replica.busy is not None
+    ref, item, attempt, _ = replica.busy
+    try:
+        out_ = ray.get(ref)
+    except ValueError as exc:  # the request's own fault (Ray re-raises the verifier's ValueError)
+        replica.busy = None
+        _failed(item, _message(exc), out, report, driver, progress)
+        return
+    except Exception as exc:  # the replica's fault: an actor died, a peer went silent
+        _fault(replica, item, attempt, exc, options, out, report, todo, driver, progress, launcher)
+        return
+    replica.busy = None
+    result = {"id": item.id, "text": decode(out_["tokens"]), "tokens": out_["tokens"], "stats": out_["stats"]}
+    results.append(result)
+    report.finished += 1
+    report.tokens += len(out_["tokens"])
+    if progress is not None:
+        progress.update(len(out_["tokens"]))
+    if on_result is not None:
+        on_result(result)
+
+
+def _fault(
+    replica: _Replica,
+    item: BatchItem,
+    attempt: int,
+    exc: BaseException,
+    options: BatchOptions,
+    out: str | Path,
+    report: BatchReport,
+    todo: deque[tuple[BatchItem, int]],
+    driver: Recorder,
+    progress: Progress | None,
+    launcher: Launcher,
+) -> None:
+    replica.busy = None
+    log.warning(
+        "replica %s failed on %r (attempt %d): %s; restarting it",
+        replica.name,
+        item.id,
+        attempt + 1,
+        _message(exc),
+    )
+    if replica.handle is not None:
+        replica.handle.shutdown(timeout_s=2.0)
+    replica.handle = None
+    report.restarts += 1
+    _start(replica, options, launcher)
+    if attempt < options.retries:
+        report.retried += 1
+        todo.appendleft((item, attempt + 1))
+    else:
+        _failed(item, f"gave up after {attempt + 1} attempts: {_message(exc)}", out, report, driver, progress)
+
+
+def _failed(
+    item: BatchItem,
+    message: str,
+    out: str | Path,
+    report: BatchReport,
+    driver: Recorder,
+    progress: Progress | None,
+) -> None:
+    log.error("prompt %r (line %d): %s", item.id, item.line, message)
+    append_error(out, {"id": item.id, "line": item.line, "error": message})
+    report.failed += 1
+    report.errors.append(f"{item.id}: {message}")
+    driver.inc("specter_request_errors")
+    if progress is not None:
+        progress.update(failed=True)
+
+
+def _message(exc: BaseException) -> str:
+    """The innermost message of a (Ray-wrapped) exception, on one line."""
+    cause = getattr(exc, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,186 @@
+"""Batch jobs through replicas of the actors: results once each, resume, bad requests, faults.
+
+The reference is transformers' greedy ``generate`` on the same checkpoint. Faults: an actor of a
+replica is killed (``ray.kill`` or SIGKILL of its worker) or stopped (SIGSTOP: a silent peer) while
+the batch runs; the batch must still finish with every prompt exactly once, identical to the
+reference, the silent peer detected by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from tiny_models import noisy_copy
+from transformers import AutoModelForCausalLM
+
+from actors.batch import BatchOptions, run_batch
+from actors.launcher import launch
+from specter.config import LinkConfig, SlotConfig
+from specter.jobs import BatchItem, ResultsFile, errors_path
+
+LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
+NEW = 8
+TEXTS = ["alpha beta", "gamma", "delta epsilon zeta", "eta theta", "iota kappa lambda mu", "nu"]
+
+
+def encode(text: str) -> list[int]:
+    return [1 + (ord(c) * 7) % 120 for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:
+    folder = tiny_dir("mixtral")
+    return folder, noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> dict[str, list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(models[0], experts_implementation="eager")
+    out = {}
+    for i, text in enumerate(TEXTS):
+        ids = encode(text)
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        out[f"p{i}"] = gen[0, len(ids) :].tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    started = not ray.is_initialized()
+    if started:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _items(n: int = len(TEXTS)) -> list[BatchItem]:
+    return [BatchItem(f"p{i}", TEXTS[i], i + 1, NEW, 0.0, 0) for i in range(n)]
+
+
+def _options(models, replicas: int = 1, **kw) -> BatchOptions:
+    folder, draft = models
+    return BatchOptions(str(folder), str(draft), SlotConfig(fraction=0.25), LINK, policy="specter", window=3,
+                        replicas=replicas, **kw)
+
+
+def _read(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_two_replicas_every_prompt_once_identical_then_resume(local_ray, models, reference, tmp_path) -> None:
+    out = tmp_path / "results.jsonl"
+    results = ResultsFile(out)
+    report = run_batch(_items(), results, out, _options(models, replicas=2), encode, decode)
+    results.close()
+    rows = _read(out)
+    assert sorted(r["id"] for r in rows) == sorted(reference)
+    for row in rows:
+        assert row["tokens"] == reference[row["id"]], row["id"]
+        assert row["text"] == decode(row["tokens"])
+        assert row["stats"]["new_tokens"] == NEW and row["stats"]["policy"] == "specter"
+    assert report.finished == len(TEXTS) and report.failed == 0 and report.restarts == 0
+    # A re-run resumes: nothing to do, nothing written twice, no replica launched.
+    launched = []
+    results = ResultsFile(out)
+    report = run_batch(_items(), results, out, _options(models), encode, decode,
+                       launcher=lambda *a, **k: launched.append(a) or launch(*a, **k))
+    results.close()
+    assert report.skipped == len(TEXTS) and report.finished == 0
+    assert _read(out) == rows
+
+
+def test_resume_after_a_torn_line_runs_only_the_rest(local_ray, models, reference, tmp_path) -> None:
+    out = tmp_path / "results.jsonl"
+    first = {"id": "p0", "text": "", "tokens": reference["p0"], "stats": {}}
+    out.write_text(json.dumps(first) + "\n" + '{"id": "p1", "text": "tor')  # killed mid-write
+    results = ResultsFile(out)
+    assert results.done == {"p0"} and results.repaired > 0
+    seen: list[str] = []
+    report = run_batch(_items(3), results, out, _options(models), encode, decode,
+                       on_result=lambda r: seen.append(r["id"]))
+    results.close()
+    assert sorted(seen) == ["p1", "p2"] and report.skipped == 1
+    rows = _read(out)
+    assert [r["id"] for r in rows].count("p1") == 1 and len(rows) == 3
+    assert all(r["tokens"] == reference[r["id"]] for r in rows)
+
+
+def test_a_bad_request_is_recorded_and_the_rest_finish(local_ray, models, reference, tmp_path) -> None:
+    out = tmp_path / "results.jsonl"
+    items = _items(3)
+    items[1].max_new_tokens = 10_000  # past the tiny model's 256-position context: the verifier refuses
+    results = ResultsFile(out)
+    report = run_batch(items, results, out, _options(models), encode, decode)
+    results.close()
+    assert report.failed == 1 and report.restarts == 0 and report.finished == 2
+    assert sorted(r["id"] for r in _read(out)) == ["p0", "p2"]
+    errors = [json.loads(line) for line in errors_path(out).read_text().splitlines()]
+    assert errors[0]["id"] == "p1" and "max_new_tokens" in errors[0]["error"] and "context" in errors[0]["error"]
+
+
+def _kill_after_first(role: str, how: str, delay_s: float = 0.2):
+    """An ``on_result`` hook: after the first result, kill replica r0's ``role`` actor a moment later
+    (while r0 runs its next prompt)."""
+    fired = threading.Event()
+
+    def kill() -> None:
+        time.sleep(delay_s)
+        actor = ray.get_actor(f"specter-r0-{role}")
+        if how == "ray.kill":
+            ray.kill(actor, no_restart=True)
+        else:
+            os.kill(ray.get(actor.pid.remote()), getattr(signal, how))
+
+    def hook(result: dict) -> None:
+        if not fired.is_set():
+            fired.set()
+            threading.Thread(target=kill, daemon=True).start()
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    ("role", "how"), [("transfer", "ray.kill"), ("draft", "SIGKILL"), ("verifier", "SIGKILL"), ("verifier", "ray.kill")]
+)
+def test_killed_actor_mid_batch_every_prompt_once_and_identical(local_ray, models, reference, tmp_path, role,
+                                                               how) -> None:
+    out = tmp_path / "results.jsonl"
+    results = ResultsFile(out)
+    report = run_batch(_items(4), results, out, _options(models, timeout_s=5.0), encode, decode,
+                       on_result=_kill_after_first(role, how))
+    results.close()
+    rows = _read(out)
+    assert sorted(r["id"] for r in rows) == ["p0", "p1", "p2", "p3"]  # each exactly once
+    assert all(r["tokens"] == reference[r["id"]] for r in rows)
+    assert report.failed == 0 and report.restarts >= 1
+    assert not errors_path(out).exists()
+
+
+def test_silent_transfer_peer_is_a_timeout_not_a_hang(local_ray, models) -> None:
+    folder, draft = models
+    handle = launch(folder, draft, SlotConfig(fraction=0.25), LINK, policy="demand-lru", replica="silent",
+                    timeout_s=3.0)
+    pid = ray.get(handle.transfer.pid.remote())
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(Exception, match="(?i)timed out|not ready|within|did not finish"):
+            handle.generate(encode("a long enough prompt to need experts"), NEW, window=0, policy="demand-lru")
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        handle.shutdown(timeout_s=2.0)

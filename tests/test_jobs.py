@@ -1,0 +1,111 @@
+"""Batch files without Ray: input lines, the results file (atomic lines, resume, no duplicates), progress."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from specter.jobs import (
+    BatchLineError,
+    Progress,
+    ResultsFile,
+    append_error,
+    errors_path,
+    parse_line,
+    read_batch,
+)
+
+
+def _parse(text: str):
+    return parse_line(text, 7, "in.jsonl", 32, 0.0, 0)
+
+
+def test_a_good_line_takes_defaults_and_overrides() -> None:
+    item = _parse('{"id": 3, "prompt": "def f():", "max_new_tokens": 5, "seed": 9}')
+    assert (item.id, item.prompt, item.line, item.max_new_tokens, item.temperature, item.seed) == (
+        "3", "def f():", 7, 5, 0.0, 9)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("{not json", "not valid JSON"),
+        ('["id", "prompt"]', "JSON object"),
+        ('{"prompt": "x"}', "'id'"),
+        ('{"id": "", "prompt": "x"}', "'id'"),
+        ('{"id": true, "prompt": "x"}', "'id'"),
+        ('{"id": "a"}', "'prompt' must be a string"),
+        ('{"id": "a", "prompt": 12}', "'prompt' must be a string"),
+        ('{"id": "a", "prompt": "   "}', "'prompt' must not be empty"),
+        ('{"id": "a", "prompt": "x", "max_new_tokens": 0}', "'max_new_tokens'"),
+        ('{"id": "a", "prompt": "x", "max_new_tokens": 1e12}', "'max_new_tokens'"),
+        ('{"id": "a", "prompt": "x", "max_new_tokens": 99999999999}', "'max_new_tokens'"),
+        ('{"id": "a", "prompt": "x", "temperature": -1}', "'temperature'"),
+        ('{"id": "a", "prompt": "x", "temperature": NaN}', "'temperature'"),
+        ('{"id": "a", "prompt": "x", "seed": -3}', "'seed'"),
+        ('{"id": "a", "prompt": "x", "top_p": 0.5}', "unknown field"),
+    ],
+)
+def test_a_bad_line_names_file_line_and_field(text: str, field: str) -> None:
+    with pytest.raises(BatchLineError, match=field) as info:
+        _parse(text)
+    assert str(info.value).startswith("in.jsonl:7: ") and info.value.line == 7
+
+
+def test_read_batch_reports_every_bad_line_and_repeated_ids(tmp_path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n\n{"id": "b"}\n{"id": "a", "prompt": "y"}\n{"id": "c", "prompt": "z"}\n')
+    items, bad = read_batch(path, 16, 0.0, 0)
+    assert [i.id for i in items] == ["a", "c"] and [i.line for i in items] == [1, 5]
+    assert [e.line for e in bad] == [3, 4]
+    assert "already used on line 1" in str(bad[1])
+
+
+def test_read_batch_missing_or_binary_file(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_batch(tmp_path / "nope.jsonl", 16, 0.0, 0)
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(BatchLineError, match="not UTF-8"):
+        read_batch(tmp_path / "bin.jsonl", 16, 0.0, 0)
+
+
+def test_results_file_appends_whole_lines_resumes_and_refuses_duplicates(tmp_path) -> None:
+    out = tmp_path / "sub" / "results.jsonl"
+    results = ResultsFile(out)
+    results.append({"id": "a", "text": "t", "tokens": [1], "stats": {}})
+    with pytest.raises(ValueError, match="'a' is already there"):
+        results.append({"id": "a", "text": "t", "tokens": [1], "stats": {}})
+    results.close()
+    with open(out, "ab") as f:  # a kill in the middle of the next write
+        f.write(b'{"id": "b", "te')
+    again = ResultsFile(out)
+    assert again.done == {"a"} and again.repaired == len(b'{"id": "b", "te')
+    again.append({"id": "b", "text": "u", "tokens": [2], "stats": {}})
+    again.close()
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
+
+
+def test_results_file_that_is_not_ours_is_refused(tmp_path) -> None:
+    out = tmp_path / "results.jsonl"
+    out.write_text('{"id": "a"}\nhello\n')
+    with pytest.raises(ValueError, match="results.jsonl:2: not a result line"):
+        ResultsFile(out)
+
+
+def test_errors_go_next_to_the_results(tmp_path) -> None:
+    out = tmp_path / "results.jsonl"
+    append_error(out, {"id": "x", "error": "boom"})
+    assert errors_path(out).name == "results.errors.jsonl"
+    assert json.loads(errors_path(out).read_text()) == {"id": "x", "error": "boom"}
+
+
+def test_progress_line_counts_rate_and_eta() -> None:
+    stream = io.StringIO()
+    progress = Progress(4, stream=stream, every_s=0.0)
+    progress.update(tokens=10)
+    progress.update(failed=True)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[batch] 1/4 prompts") and "tok/s" in lines[0] and "ETA" in lines[0]
+    assert "2/4 prompts" in lines[1] and "1 failed" in lines[1]

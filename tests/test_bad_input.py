@@ -109,3 +109,28 @@ def test_malformed_prompt_lines_are_reported_with_their_line_number(tmp_path):
     path.write_text('{"id": "a", "prompt": "x"}\n{not json\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:2: not valid JSON"):
         read_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "error", "message"),
+    [
+        ("def f():", TypeError, "^prompts: expected a list"),
+        ([b"bytes"], TypeError, r"^prompts\[0\]: expected a non-empty string"),
+        (["ok", 3], TypeError, r"^prompts\[1\]: expected"),
+        (["ok", [1, "2"]], TypeError, r"^prompts\[1\]: expected"),
+        (["ok", [True]], TypeError, r"^prompts\[1\]: expected"),
+        (["ok", []], TypeError, r"^prompts\[1\]: expected"),
+        (["ok", "  "], ValueError, r"^prompts\[1\]: must not be empty"),
+    ],
+)
+def test_client_checks_every_prompt_before_any_work(prompts, error, message):
+    from transformers import AutoTokenizer
+
+    from actors.client import Client
+    from specter.assets import ASSETS
+
+    client = Client.__new__(Client)  # no Ray: the checks run before the replica is called
+    client.tokenizer = AutoTokenizer.from_pretrained(str(ASSETS / "moe-fine"))
+    client.handle = None  # any call to the replica would fail with AttributeError, not the check's error
+    with pytest.raises(error, match=message):
+        client.generate(prompts, max_new_tokens=4)

@@ -6,8 +6,12 @@ if ! python3 -c "import torch" 2>/dev/null; then
   # Pinned so pip takes the CPU wheel on disk instead of a multi-GB CUDA build.
   python3 -m pip install --quiet "torch==2.13.0"
 fi
+# Reinstall also when the installed package is another checkout's (it must import from here even
+# outside this folder: Ray workers and `ray job submit` entrypoints run elsewhere).
+installed=$(cd / && python3 -c "import specter, os; print(os.path.dirname(os.path.dirname(specter.__file__)))" \
+            2>/dev/null || true)
 if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy" 2>/dev/null \
-   || [ pyproject.toml -nt .install-stamp ]; then
+   || [ "$installed" != "$(pwd -P)" ] || [ pyproject.toml -nt .install-stamp ]; then
   python3 -m pip install --quiet -e ".[dev]"
   touch .install-stamp
 fi

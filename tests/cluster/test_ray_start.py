@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
@@ -59,3 +60,50 @@ def test_client_attaches_to_ray_start_cluster_and_generates(head, tiny_dir):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == want[0, len(PROMPT):].tolist()
     assert result["stats"]["rounds"] > 0
+
+
+@pytest.fixture()
+def head_with_dashboard():
+    if ray.is_initialized():
+        ray.shutdown()
+    port, dashboard = _free_port(), _free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_batch_through_ray_job_submit(head_with_dashboard, tmp_path):
+    """`ray job submit -- specter batch …` on the cluster: the job's driver attaches with --address auto."""
+    from transformers import AutoTokenizer
+
+    from specter.assets import ASSETS
+
+    url, env = head_with_dashboard
+    model = ASSETS / "moe-fine"
+    prompts = {"x": "def main():", "y": "import sys\n"}
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    src.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in prompts.items()))
+    entry = ["specter", "batch", str(src), "--out", str(out), "--address", "auto", "--model", str(model),
+             "--draft", str(ASSETS / "moe-fine-awq"), "--policy", "specter", "--max-new-tokens", "5"]
+    deadline = time.monotonic() + 180
+    while True:  # the job agent comes up a little after the dashboard
+        proc = subprocess.run(["ray", "job", "submit", "--address", url, "--", *entry], capture_output=True,
+                              text=True, env=env, timeout=900)
+        if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "succeeded" in proc.stdout + proc.stderr
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == ["x", "y"]
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ref = AutoModelForCausalLM.from_pretrained(str(model), experts_implementation="eager", dtype=torch.float32)
+    for ident, text in prompts.items():
+        ids = tokenizer.encode(text)
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
+        assert rows[ident]["tokens"] == want

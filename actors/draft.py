@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 import ray
 
 from actors.common import DEVICE, setup_process
 from actors.metrics import Recorder
-from specter.actor_channel import ActorChannel
+from specter.channel import Channel
 from specter.draft.loading import load_draft
 from specter.draft_server import DraftServer
 
@@ -33,7 +34,7 @@ class DraftActor:
         self.draft = load_draft(draft_dir, device=DEVICE)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
-        self.channel: ActorChannel | None = None
+        self.channel: Channel | None = None
         self.server: DraftServer | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -43,12 +44,19 @@ class DraftActor:
         come as late as ``handshake_timeout_s``)."""
         if handshake_timeout_s is not None:
             self.handshake_timeout_s = handshake_timeout_s
-        self.channel = ActorChannel("pair", endpoint, bind=True, peer="verifier")
+        self.channel = Channel("pair", endpoint, bind=True, peer="verifier")
         self.server = DraftServer(self.draft, self.channel)
         self._thread = threading.Thread(target=self._serve, name="specter-draft", daemon=True)
         self._thread.start()
         threading.Thread(target=self._publish, name="specter-draft-metrics", daemon=True).start()
         return self.channel.address
+
+    def wire_counters(self) -> dict[str, Any]:
+        """Frames received on the pair socket, dropped per reason, refused per reason."""
+        if self.channel is None or self.server is None:
+            return {"received": 0, "dropped": {}, "refused": {}}
+        return {"received": self.channel.received, "dropped": dict(self.channel.dropped),
+                "refused": dict(self.server.rejections)}
 
     def pid(self) -> int:
         """This worker's process id (fault-injection tests)."""

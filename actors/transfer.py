@@ -19,8 +19,7 @@ import ray
 
 from actors.common import compute_dtype, setup_process, slot_groups
 from actors.metrics import Recorder
-from specter.actor_channel import ActorChannel
-from specter.channel import private_ipc_dir
+from specter.channel import Channel, private_ipc_dir
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.shared_counters import SharedCounters
 from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
@@ -59,7 +58,7 @@ class TransferActor:
         self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype)
         self.shared_counters = SharedCounters(self.prefix, create=True)
         self.ipc = private_ipc_dir()
-        self.channel = ActorChannel("pull", self.ipc.endpoint("transfer"), bind=True, peer="verifier")
+        self.channel = Channel("pull", self.ipc.endpoint("transfer"), bind=True, peer="verifier")
         self.server = TransferServer(self.store, self.slots, self.shared_counters, link, self.channel)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
@@ -87,6 +86,11 @@ class TransferActor:
             self._thread = threading.Thread(target=self._serve, name="specter-transfer", daemon=True)
             self._thread.start()
             threading.Thread(target=self._publish, name="specter-transfer-metrics", daemon=True).start()
+
+    def wire_counters(self) -> dict[str, Any]:
+        """Frames received on the command socket, dropped per reason, refused per reason."""
+        return {"received": self.channel.received, "dropped": dict(self.channel.dropped),
+                "refused": dict(self.server.rejections)}
 
     def pid(self) -> int:
         """This worker's process id (fault-injection tests)."""

@@ -17,7 +17,7 @@ import ray
 
 from actors.common import DEVICE, compute_dtype, setup_process, slot_groups
 from actors.metrics import Recorder
-from specter.actor_channel import ActorChannel
+from specter.channel import Channel
 from specter.config import SamplingConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.remote_experts import RemoteExperts, ShapeStore
@@ -53,7 +53,7 @@ class VerifierActor:
         self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
         self.target: OffloadedTarget | None = None
         self.proposer: RemoteProposer | None = None
-        self.channels: list[ActorChannel] = []
+        self.channels: list[Channel] = []
 
     def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None) -> int:
         """Attach the shared slots, connect and handshake both channels, fill the initial slots.
@@ -63,12 +63,12 @@ class VerifierActor:
         handle = msgspec.json.decode(slots_json, type=SlotsHandle)
         self.slots = SharedSlots.attach(handle)
         self.counters = SharedCounters(handle.prefix, create=False)
-        link_channel = ActorChannel("push", transfer_endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
+        link_channel = Channel("push", transfer_endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
         self.channels.append(link_channel)
         link_channel.handshake("verifier")
         self.link = RemoteLink(link_channel, self.slots, self.counters)
         if draft_endpoint:
-            draft_channel = ActorChannel("pair", draft_endpoint, bind=False, peer="draft", timeout_s=self.timeout_s)
+            draft_channel = Channel("pair", draft_endpoint, bind=False, peer="draft", timeout_s=self.timeout_s)
             self.channels.append(draft_channel)
             draft_channel.handshake("verifier")
             self.proposer = RemoteProposer(draft_channel, self.timeout_s)
@@ -78,7 +78,7 @@ class VerifierActor:
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | None = None, untimed_prefill: bool = False,
     ) -> dict[str, Any]:
         """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
 
@@ -87,7 +87,7 @@ class VerifierActor:
         self.metrics.set("specter_queue_depth", 1)
         try:
             out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
-                                 eos_token_id)
+                                 eos_token_id, untimed_prefill)
         except Exception:
             self.metrics.inc("specter_request_errors")
             raise
@@ -102,7 +102,7 @@ class VerifierActor:
 
     def _generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-        window: int | None, policy: str | None, eos_token_id: int | None,
+        window: int | None, policy: str | None, eos_token_id: int | None, untimed_prefill: bool,
     ) -> dict[str, Any]:
         if policy is not None and policy != self.policy_name:
             self._build(policy)
@@ -110,7 +110,7 @@ class VerifierActor:
         k = self.target.offload.policy.default_window if window is None else window
         if k and self.proposer is None:
             raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")
-        engine = Engine(self.target, window=k, proposer=self.proposer if k else None)
+        engine = Engine(self.target, window=k, proposer=self.proposer if k else None, untimed_prefill=untimed_prefill)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id)
         return {"tokens": tokens, "stats": stats.to_dict()}

@@ -4,7 +4,8 @@ a ``Channel`` that sends and receives protocol messages with timeouts everywhere
 A ``Channel`` wraps one socket (PUSH, PULL or PAIR). It never raises on garbage from the wire:
 a frame that does not decode is dropped, counted in ``dropped`` by reason and logged (at most one
 line per reason per second). Anything that can wait takes a timeout and, when it runs out, names
-the peer and the endpoint. See docs/wire.md.
+the peer and the endpoint. Endpoints are ``ipc://`` (in a 0700 directory) or loopback ``tcp://``
+unless a caller passes ``expose=True`` explicitly. See docs/wire.md and docs/security.md.
 """
 
 from __future__ import annotations
@@ -56,6 +57,36 @@ class ChannelTimeout(ChannelError, TimeoutError):
     """A send or a handshake ran out of time."""
 
 
+class DropLog:
+    """Counts refused input per reason and logs it, at most one warning per reason per second.
+
+    Args:
+        what: who refuses (it starts every log line).
+        reasons: reasons that start at 0 (others are added when first counted).
+    """
+
+    def __init__(self, what: str, reasons: tuple[str, ...] = ()):
+        self.what = what
+        self.counts: dict[str, int] = dict.fromkeys(reasons, 0)
+        self._last: dict[str, float] = {}
+
+    def __call__(self, reason: str, detail: str, exc_info: bool = False) -> None:
+        """Count one refusal; log it (with the traceback if ``exc_info``) unless this reason
+        logged less than a second ago."""
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(reason, -math.inf) >= _LOG_EVERY_S:
+            self._last[reason] = now
+            log.warning(
+                "%s: dropped a frame, %s (%d so far): %s", self.what, reason, self.counts[reason], detail[:200],
+                exc_info=exc_info,
+            )
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
 class IpcDir:
     """A fresh private (0700) directory for ``ipc://`` socket files, removed by ``cleanup()``.
 
@@ -89,13 +120,18 @@ def private_ipc_dir(base: str | os.PathLike[str] | None = None) -> IpcDir:
     return IpcDir(base)
 
 
-def endpoint(kind: str, name: str | int, directory: str | os.PathLike[str] | None = None) -> str:
-    """An endpoint string: ``ipc://DIRECTORY/NAME.sock`` or ``tcp://127.0.0.1:PORT``.
+def endpoint(
+    kind: str, name: str | int, directory: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
+    expose: bool = False,
+) -> str:
+    """An endpoint string: ``ipc://DIRECTORY/NAME.sock`` or ``tcp://HOST:PORT`` (HOST 127.0.0.1).
 
     Args:
         kind: ``ipc`` or ``tcp``.
         name: for ipc a socket name (letters, digits, ``_.-``); for tcp a port (0 or ``*``: any free).
         directory: for ipc, the (private) directory of the socket file.
+        host: for tcp, the address; anything but loopback needs ``expose=True``.
+        expose: allow a non-loopback tcp host (see :func:`check_endpoint`).
 
     Raises:
         ValueError: a bad kind, name, port or directory, or a socket path that is too long.
@@ -110,12 +146,18 @@ def endpoint(kind: str, name: str | int, directory: str | os.PathLike[str] | Non
         port = "*" if str(name) in ("0", "*") else str(name)
         if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f"tcp port {name!r}: must be 1-65535, or 0/'*' for any free port")
-        return check_endpoint(f"tcp://127.0.0.1:{port}")
+        return check_endpoint(f"tcp://{host}:{port}", expose=expose)
     raise ValueError(f"endpoint kind {kind!r}: must be 'ipc' or 'tcp'")
 
 
-def check_endpoint(address: str) -> str:
+def check_endpoint(address: str, expose: bool = False) -> str:
     """Return ``address`` if it is ``ipc://``, ``inproc://`` or loopback ``tcp://``; else raise.
+
+    Args:
+        address: a ZeroMQ endpoint.
+        expose: also accept a tcp host that is not loopback (``0.0.0.0``, ``*``, an interface or a
+            public address). Nothing in Specter passes it: it is for a deployment that puts its own
+            authentication and encryption in front of the plan plane (docs/security.md).
 
     Raises:
         ValueError: any other transport, a tcp host that is not loopback (the plan plane has no
@@ -133,16 +175,25 @@ def check_endpoint(address: str) -> str:
     if transport == "inproc":
         return address
     if transport == "tcp":
+        if expose:
+            _check_port(address, rest)
+            log.warning("endpoint %s: exposed beyond loopback (expose=True); the plan plane has no authentication", address)
+            return address
         _check_loopback(address, rest)
         return address
     raise ValueError(f"endpoint {address!r}: transport {transport!r} refused; use ipc:// or loopback tcp://")
 
 
-def _check_loopback(address: str, rest: str) -> None:
+def _check_port(address: str, rest: str) -> str:
+    """The host part of ``HOST:PORT`` after checking the port."""
     host, _, port = rest.rpartition(":")
-    if not port or not (port == "*" or port.isdigit()):
-        raise ValueError(f"endpoint {address!r}: missing or bad port")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port or not (port == "*" or port.isdigit()):
+        raise ValueError(f"endpoint {address!r}: missing or bad host or port")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _check_loopback(address: str, rest: str) -> None:
+    host = _check_port(address, rest)
     if host == "localhost":
         return
     try:
@@ -152,7 +203,7 @@ def _check_loopback(address: str, rest: str) -> None:
     if not loopback:
         raise ValueError(
             f"endpoint {address!r}: host {host!r} is not a loopback address; the plan plane only "
-            "listens on and connects to 127.0.0.1 / ::1 (it has no authentication)"
+            "listens on and connects to 127.0.0.1 / ::1 (it has no authentication; expose=True overrides)"
         )
 
 
@@ -167,6 +218,11 @@ class Channel:
         timeout_s: default timeout of ``send``, ``recv`` and ``handshake``.
         max_bytes: frames longer than this are refused (by ZeroMQ before they are read).
         context: the ZeroMQ context (default: the process-wide one).
+        expose: allow a non-loopback tcp address (:func:`check_endpoint`).
+
+    Attributes:
+        dropped: frames dropped, per reason (``malformed``, ``unknown``, ``wrong_version``).
+        received: valid messages decoded (so frames read = ``received`` + sum of ``dropped``).
     """
 
     def __init__(
@@ -179,18 +235,21 @@ class Channel:
         timeout_s: float = 10.0,
         max_bytes: int = MAX_FRAME_BYTES,
         context: zmq.Context | None = None,
+        expose: bool = False,
     ):
         if kind not in SOCKET_KINDS:
             raise ValueError(f"channel kind {kind!r}: must be one of {sorted(SOCKET_KINDS)}")
         self.kind, self.peer, self.timeout_s, self.max_bytes = kind, peer, timeout_s, max_bytes
         self.bound = bind
-        self.dropped: dict[str, int] = {MALFORMED: 0, UNKNOWN: 0, WRONG_VERSION: 0}
+        self._drops = DropLog(f"{kind} channel from {peer}", (MALFORMED, UNKNOWN, WRONG_VERSION))
+        self.dropped: dict[str, int] = self._drops.counts
+        self.received = 0
         self.peer_hello: Hello | None = None
         self._pending: deque[Message] = deque()
-        self._last_log: dict[str, float] = {}
         self.socket = (context or zmq.Context.instance()).socket(SOCKET_KINDS[kind])
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        self.address = self._open(check_endpoint(address), bind)
+        self.address = self._open(check_endpoint(address, expose), bind)
+        self._drops.what = repr(self)
 
     def _open(self, address: str, bind: bool) -> str:
         try:
@@ -253,6 +312,7 @@ class Channel:
             msg = self._next(deadline)
             if not isinstance(msg, Hello | Welcome) or msg.version == PROTOCOL_VERSION:
                 return msg
+            self.received -= 1  # decoded, but refused: count it once, as dropped
             self._drop(WRONG_VERSION, f"{type(msg).__name__} of protocol version {msg.version}")
 
     def _next(self, deadline: float) -> Message | None:
@@ -288,20 +348,11 @@ class Channel:
             self._pending.append(decode(frames[0], self.max_bytes))
         except ProtocolError as exc:
             self._drop(exc.reason, str(exc))
+            return
+        self.received += 1
 
     def _drop(self, reason: str, detail: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        now = time.monotonic()
-        if now - self._last_log.get(reason, -math.inf) >= _LOG_EVERY_S:
-            self._last_log[reason] = now
-            log.warning(
-                "dropped a %s frame from %s at %s (%d so far): %s",
-                reason,
-                self.peer,
-                self.address,
-                self.dropped[reason],
-                detail[:200],
-            )
+        self._drops(reason, detail)
 
     # --- handshake -------------------------------------------------------------------------
 

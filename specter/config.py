@@ -128,6 +128,9 @@ class LinkConfig:
         return cls(kind="sim", bandwidth=gbps * 1e9, latency=latency_us * 1e-6)
 
 
+MIN_TEMPERATURE = 1e-3  # the smallest sampling temperature (the wire protocol refuses less too)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen: greedy at temperature 0, else sampled with top-k/top-p."""
@@ -140,6 +143,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T overflows: every probability NaN
+            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -148,3 +153,29 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """How fast the host computes one routed expert from its host blob (instead of moving it).
+
+    One expert on ``tokens`` tokens takes ``latency + max(bytes / bytes_per_s, tokens × flops /
+    flops_per_s)``: at a few tokens it is memory-bound (the host reads the blob once), at many it
+    is compute-bound. ``docs/profiles.md`` derives the figures of a real server CPU.
+    """
+
+    bytes_per_s: float
+    flops_per_s: float = math.inf
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
+            raise ValueError(f"host: bytes_per_s must be a positive number, got {self.bytes_per_s}")
+        if not self.flops_per_s > 0:
+            raise ValueError(f"host: flops_per_s must be > 0, got {self.flops_per_s}")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"host: latency must be >= 0 seconds, got {self.latency}")
+
+    def expert_s(self, nbytes: float, flops_per_token: float, tokens: int) -> float:
+        """Seconds to compute one expert of ``nbytes`` on ``tokens`` tokens."""
+        return self.latency + max(nbytes / self.bytes_per_s, tokens * flops_per_token / self.flops_per_s)

@@ -21,7 +21,9 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-PROTOCOL_VERSION = 1
+from specter.config import MIN_TEMPERATURE  # 0 is greedy; a smaller one overflows logits / T
+
+PROTOCOL_VERSION = 2  # 2: the actor messages (propose, fetch, promote, drop) and timing joined
 
 # Caps that a decoder enforces: a peer cannot make us allocate more than these.
 MAX_ID = 2**31 - 1  # layer, expert, token, round and step ids
@@ -212,6 +214,63 @@ class Error(msgspec.Struct, frozen=True, array_like=True, tag="error"):
     message: Text
 
 
+Priority = Annotated[int, Meta(ge=0, le=1)]  # 0 demand, 1 prefetch (specter.experts.link)
+
+
+class ProposeRequest(msgspec.Struct, frozen=True, array_like=True, tag="propose"):
+    """Draft ``k`` tokens for round ``round`` (verifier → draft).
+
+    Attributes:
+        round: the round.
+        keep: positions of the draft's cache that stand (it crops to this first).
+        tokens: the tokens after those ``keep`` positions that the draft has not processed.
+        k: draft tokens to propose.
+        route_last: one more forward to route the K-th draft token's position too.
+    """
+
+    round: Id
+    keep: Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+    tokens: Annotated[list[Id], Meta(min_length=1, max_length=MAX_TOKENS)]
+    k: Annotated[int, Meta(ge=1, le=MAX_WINDOW)]
+    route_last: bool = False
+
+
+class FetchExpert(msgspec.Struct, frozen=True, array_like=True, tag="fetch"):
+    """Copy expert ``(layer, expert)`` into ``slot`` and publish it there (verifier → transfer).
+
+    Attributes:
+        id: the verifier's transfer id (for ``PromoteFetch``/``DropFetch``).
+        priority: 0 demand, 1 prefetch.
+        timed: False for untimed copies (the initial residency fill: not counted, no link model).
+    """
+
+    id: Id
+    layer: Id
+    expert: Id
+    slot: Id
+    priority: Priority
+    timed: bool = True
+
+
+class PromoteFetch(msgspec.Struct, frozen=True, array_like=True, tag="promote"):
+    """A queued prefetch is needed now: make it a demand transfer (verifier → transfer)."""
+
+    id: Id
+
+
+class DropFetch(msgspec.Struct, frozen=True, array_like=True, tag="drop"):
+    """Drop a queued, not yet started transfer (verifier → transfer)."""
+
+    id: Id
+
+
+class LinkTiming(msgspec.Struct, frozen=True, array_like=True, tag="timing"):
+    """From now on copies wait out the link model (``timed``) or finish at copy speed (verifier →
+    transfer; the engine's untimed prefill). Read when a copy starts, as ``SimulatedLink.timed``."""
+
+    timed: bool
+
+
 Message = (
     Hello
     | Welcome
@@ -224,6 +283,11 @@ Message = (
     | Cancel
     | Shutdown
     | Error
+    | ProposeRequest
+    | FetchExpert
+    | PromoteFetch
+    | DropFetch
+    | LinkTiming
 )
 MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Hello,
@@ -237,6 +301,11 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Cancel,
     Shutdown,
     Error,
+    ProposeRequest,
+    FetchExpert,
+    PromoteFetch,
+    DropFetch,
+    LinkTiming,
 )
 TAGS: frozenset[str] = frozenset(str(t.__struct_config__.tag) for t in MESSAGE_TYPES)
 
@@ -307,6 +376,8 @@ def _check(msg: Message) -> None:
         _check_draft(msg)
     elif isinstance(msg, RequestDone):
         _check_stats(msg.stats_json)
+    elif isinstance(msg, StartRequest) and 0 < msg.temperature < MIN_TEMPERATURE:
+        raise ProtocolError(f"StartRequest: temperature {msg.temperature} is neither 0 nor >= {MIN_TEMPERATURE}")
 
 
 def _same_lengths(what: str, *lists: list) -> None:
@@ -354,10 +425,15 @@ __all__ = [
     "Cancel",
     "DemandRequest",
     "DraftTokens",
+    "DropFetch",
     "Error",
+    "FetchExpert",
     "Hello",
+    "LinkTiming",
     "Message",
     "PlanDelta",
+    "PromoteFetch",
+    "ProposeRequest",
     "ProtocolError",
     "RequestDone",
     "Shutdown",

@@ -3,23 +3,20 @@
 Per round it sends one ``ProposeRequest`` (what to keep of the draft's cache, the tokens it has
 not seen, K) and then reads the draft's ``PlanDelta``s as they arrive, handing each to the policy
 at once, until the round's ``DraftTokens`` come. A rollback only updates the local mirror of the
-draft's cache length; the draft crops when the next request says so.
+draft's cache length; the draft crops when the next request says so. Messages of another round,
+or not meant for the verifier, are counted in ``stale`` and logged at most once per second.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
-from specter.actor_channel import ActorChannel
-from specter.actor_messages import ProposeRequest
+from specter.channel import Channel, DropLog
 from specter.config import SamplingConfig
 from specter.proposer import OnPlan
-from specter.protocol import DraftTokens, Error, PlanDelta, StartRequest
-
-log = logging.getLogger(__name__)
+from specter.protocol import DraftTokens, Error, PlanDelta, ProposeRequest, StartRequest
 
 
 class DraftError(RuntimeError):
@@ -34,16 +31,18 @@ class RemoteProposer:
         timeout_s: longest wait for the draft's next message.
     """
 
-    def __init__(self, channel: ActorChannel, timeout_s: float = 60.0):
+    def __init__(self, channel: Channel, timeout_s: float = 60.0):
         self.channel = channel
         self.timeout_s = timeout_s
         self.done = 0  # positions the draft's cache holds (mirrored)
         self._requests = 0
+        self._ignore = DropLog("verifier: from the draft", ("stale",))
+        self.stale = self._ignore.counts
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Start a request on the draft (it prefills while the verifier goes on)."""
         while (stale := self.channel.recv(0)) is not None:  # left over by a request that failed
-            log.warning("verifier: dropping a stale %s from the draft", type(stale).__name__)
+            self._ignore("stale", f"a {type(stale).__name__} left over before this request")
         self._requests += 1
         self.channel.send(
             StartRequest(
@@ -82,4 +81,4 @@ class RemoteProposer:
             elif isinstance(msg, Error):
                 raise DraftError(f"draft: {msg.where}: {msg.message}")
             else:
-                log.warning("verifier: ignoring a stale or unexpected %s from the draft", type(msg).__name__)
+                self._ignore("stale", f"a {type(msg).__name__} that is not for round {round_id}")

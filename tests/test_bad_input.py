@@ -49,6 +49,7 @@ def test_bad_requests_name_the_field_and_leave_the_engine_usable(engine, prompt,
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+     ({"temperature": 1e-40}, "temperature"),
      ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k")],
 )
 def test_bad_sampling_names_the_field(kwargs, field):

@@ -21,6 +21,7 @@ import zmq
 from specter.channel import Channel, ChannelError, ChannelTimeout, check_endpoint, endpoint, private_ipc_dir
 from specter.protocol import (
     MALFORMED,
+    PROTOCOL_VERSION,
     UNKNOWN,
     WRONG_VERSION,
     Cancel,
@@ -95,6 +96,7 @@ def test_garbage_between_good_frames_is_dropped_and_counted(tmp_path: Path) -> N
         assert got == list(range(200))
         # 1 before the handshake, 40 raw, 40 truncated, 40 two-part; 40 unknown tags; 40 old Hellos
         assert ch.dropped == {MALFORMED: 121, UNKNOWN: 40, WRONG_VERSION: 40}
+        assert ch.received == 2 + 200 + 1  # Hello + Welcome, the plans, the Shutdown (frames = received + dropped)
         _finish(peer, ch)
 
 
@@ -180,10 +182,11 @@ def test_handshake_version_mismatch_is_a_clear_error(tmp_path: Path, reply: Hell
         ch = Channel("pair", ipc.endpoint("v"), bind=True, peer="verifier", timeout_s=5)
         raw = zmq.Context.instance().socket(zmq.PAIR)
         raw.connect(ch.address)
-        raw.send(encode(Hello(1, "verifier", 1)) if isinstance(reply, Welcome) else encode(reply))
+        raw.send(encode(Hello(PROTOCOL_VERSION, "verifier", 1)) if isinstance(reply, Welcome) else encode(reply))
         if isinstance(reply, Welcome):
             raw.send(encode(reply))
-        with pytest.raises(VersionMismatch, match=r"handshake with verifier at ipc://.*version 99.*speaks 1"):
+        speaks = rf"handshake with verifier at ipc://.*version 99.*speaks {PROTOCOL_VERSION}"
+        with pytest.raises(VersionMismatch, match=speaks):
             ch.handshake("draft")
         raw.close(linger=0)
         ch.close()
@@ -209,6 +212,29 @@ def test_non_loopback_addresses_are_refused(address: str) -> None:
         check_endpoint(address)
     with pytest.raises(ValueError):
         Channel("pull", address, bind=True)
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0:*", "tcp://*:*", "tcp://192.0.2.7:5555", "tcp://[::]:*"])
+def test_only_an_explicit_expose_flag_allows_a_non_loopback_tcp_endpoint(address: str) -> None:
+    with pytest.raises(ValueError, match="not a loopback|expected"):
+        check_endpoint(address)
+    assert check_endpoint(address, expose=True) == address
+    with pytest.raises(ValueError, match="not a loopback"):
+        endpoint("tcp", 0, host="0.0.0.0")
+    assert endpoint("tcp", 0, host="0.0.0.0", expose=True) == "tcp://0.0.0.0:*"
+    with pytest.raises(ValueError, match="bad host or port"):
+        check_endpoint("tcp://0.0.0.0:http", expose=True)
+
+
+def test_a_channel_binds_wildcard_only_when_exposed() -> None:
+    with pytest.raises(ValueError, match="not a loopback"):
+        Channel("pull", "tcp://0.0.0.0:*", bind=True)
+    ch = Channel("pull", "tcp://0.0.0.0:*", bind=True, expose=True)
+    assert ch.address.startswith("tcp://0.0.0.0:")
+    ch.close()
+    ch = Channel("pull", endpoint("tcp", 0), bind=True)
+    assert ch.address.startswith("tcp://127.0.0.1:")  # what ZeroMQ actually bound
+    ch.close()
 
 
 def test_loopback_and_ipc_endpoints() -> None:

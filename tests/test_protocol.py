@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import random
+import typing
+from pathlib import Path
 
 import msgpack
 import msgspec
@@ -32,6 +35,13 @@ SAMPLES: list[P.Message] = [
     P.Cancel(2),
     P.Shutdown("bye"),
     P.Error("verifier.layer3", "expert (3, 5) missing"),
+    P.ProposeRequest(3, 10, [5, 6], 4, True),
+    P.ProposeRequest(0, 0, [1], 1),
+    P.FetchExpert(7, 1, 2, 5, 0, False),
+    P.FetchExpert(8, 0, 3, 1, 1),
+    P.PromoteFetch(7),
+    P.DropFetch(8),
+    P.LinkTiming(False),
 ]
 
 
@@ -71,6 +81,8 @@ def test_plain_msgpack_layout_by_hand() -> None:
 
 def test_a_plain_msgpack_peer_can_write_messages() -> None:
     assert P.decode(msgpack.packb(["demand", 1, 2, [3]])) == P.DemandRequest(1, 2, [3])
+    assert P.decode(msgpack.packb(["fetch", 1, 2, 3, 4, 1])) == P.FetchExpert(1, 2, 3, 4, 1, True)
+    assert P.decode(msgpack.packb(["propose", 1, 2, [3], 4])) == P.ProposeRequest(1, 2, [3], 4, False)
     # trailing fields a newer peer appended are ignored; missing defaulted ones take defaults
     assert P.decode(msgpack.packb(["cancel", 5, "new-field"])) == P.Cancel(5)
     assert P.decode(msgpack.packb(["start", "r", [1], 4])) == P.StartRequest("r", [1], 4)
@@ -96,6 +108,8 @@ BAD = {
     "string as list": ["demand", 0, 1, "abc"],
     "empty prompt": ["start", "r", [], 4],
     "top_p zero": ["start", "r", [1], 4, 1.0, 0.0],
+    "temperature denormal": ["start", "r", [1], 4, 5e-324],  # 0 in float32: logits / 0
+    "temperature tiny": ["start", "r", [1], 4, 1e-9],  # overflows float32 logits
     "too many ids": ["demand", 0, 1, [0] * (P.MAX_LIST + 1)],
     "missing field": ["demand", 0, 1],
     "q rows != tokens": ["draft", 0, [1, 2], [[b"\0\0\0\0", b"\0\0\x80?"]], 10],
@@ -108,6 +122,20 @@ BAD = {
     "map not array": {"tag": "cancel", "round": 1},
     "empty array": [],
     "tag not string": [7, 1],
+    "fetch negative id": ["fetch", -1, 0, 0, 0, 0],
+    "fetch negative slot": ["fetch", 1, 0, 0, -5, 0],
+    "fetch layer too large": ["fetch", 1, 2**31, 0, 0, 0],
+    "fetch priority 2": ["fetch", 1, 0, 0, 0, 2],
+    "fetch timed not bool": ["fetch", 1, 0, 0, 0, 0, 1],
+    "propose k zero": ["propose", 0, 0, [1], 0],
+    "propose k too large": ["propose", 0, 0, [1], P.MAX_WINDOW + 1],
+    "propose no tokens": ["propose", 0, 0, [], 4],
+    "propose negative keep": ["propose", 0, -1, [1], 4],
+    "propose negative token": ["propose", 0, 0, [-1], 4],
+    "promote negative id": ["promote", -1],
+    "drop string id": ["drop", "7"],
+    "timing not bool": ["timing", 0],
+    "timing missing": ["timing"],
 }
 
 
@@ -124,6 +152,39 @@ def test_unknown_tag_and_oversize_frame() -> None:
     assert info.value.reason == P.UNKNOWN
     with pytest.raises(P.ProtocolError, match="exceeds the cap"):
         P.decode(P.encode(P.Cancel(1)), max_bytes=2)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_type_refuses_wrong_field_types_truncation_and_missing_fields(msg: P.Message) -> None:
+    raw = msgpack.unpackb(P.encode(msg))
+    for i in range(1, len(raw)):  # each field in turn holds a map: no field of any struct is a map
+        wrong = raw[:i] + [{"x": 1}] + raw[i + 1 :]
+        with pytest.raises(P.ProtocolError) as info:
+            P.decode(msgpack.packb(wrong))
+        assert info.value.reason == P.MALFORMED, (i, wrong)
+    required = len(msg.__struct_fields__) - len(msg.__struct_defaults__)
+    for bad in (msgpack.packb(raw[:required]), P.encode(msg)[:-1]):
+        with pytest.raises(P.ProtocolError) as info:
+            P.decode(bad)
+        assert info.value.reason == P.MALFORMED
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_type_with_a_changed_tag_is_unknown(msg: P.Message) -> None:
+    raw = msgpack.unpackb(P.encode(msg))
+    raw[0] = raw[0] + "-v9"
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(msgpack.packb(raw))
+    assert info.value.reason == P.UNKNOWN
+
+
+def test_version_is_2_and_checked_both_ways() -> None:
+    assert P.PROTOCOL_VERSION == 2  # bumped when the actor messages joined (docs/wire.md)
+    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft")):
+        assert P.decode(P.encode(old)) == old  # any version's Hello/Welcome still decodes...
+        with pytest.raises(P.VersionMismatch) as info:  # ...and is refused by the version check
+            P.check_version(old)
+        assert info.value.reason == P.WRONG_VERSION and "speaks version 1" in str(info.value)
 
 
 def test_check_version() -> None:
@@ -188,6 +249,13 @@ def _out_of_range(rng: random.Random) -> bytes:
                 ["verify", 0, 0, bad, [[1]], [1]],
                 ["draft", 0, [bad]],
                 ["hello", bad, "draft", 1],
+                ["fetch", bad, 0, 0, 0, 0],
+                ["fetch", 0, 0, bad, 0, 0],
+                ["fetch", 0, 0, 0, bad, 1],
+                ["propose", bad, 0, [1], 2],
+                ["propose", 0, 0, [bad], 2],
+                ["promote", bad],
+                ["drop", bad],
             ]
         )
     )
@@ -209,3 +277,61 @@ def test_fuzz_decode_never_raises_anything_but_protocol_error() -> None:
         assert isinstance(msg, P.MESSAGE_TYPES)
         outcomes["ok"] += 1
     assert outcomes[P.MALFORMED] > 10_000 and outcomes[P.UNKNOWN] > 1000
+
+
+# --- no code from the wire (docs/security.md) ----------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSAFE_MODULES = {"pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
+
+
+HOOKS = ("ext_hook", "object_hook", "object_pairs_hook", "list_hook")
+
+
+def _call_problem(node: ast.Call) -> str | None:
+    """Why this call could run code from its input, or None."""
+    func, kwargs = node.func, {k.arg: ast.unparse(k.value) for k in node.keywords}
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+    if isinstance(func, ast.Name) and name in ("eval", "exec", "compile", "__import__"):
+        return f"{name}("
+    if owner == "torch" and name == "load" and kwargs.get("weights_only") != "True":
+        return "torch.load without weights_only=True"
+    if name == "Decoder" and not (node.args or node.keywords):
+        return f"untyped {ast.unparse(func)}()"
+    if name in ("unpackb", "Unpacker") and set(kwargs) & set(HOOKS):
+        return f"{ast.unparse(func)} with a hook"
+    return None
+
+
+def _unsafe_calls(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"import {n}" for n in names if n and n.split(".")[0] in UNSAFE_MODULES]
+        elif isinstance(node, ast.Call) and (problem := _call_problem(node)):
+            found.append(problem)
+    return found
+
+
+def test_no_pickle_eval_or_untyped_decoder_in_specter_or_actors() -> None:
+    files = sorted((ROOT / "specter").rglob("*.py")) + sorted((ROOT / "actors").rglob("*.py"))
+    assert len(files) > 20
+    found = {str(f.relative_to(ROOT)): bad for f in files if (bad := _unsafe_calls(ast.parse(f.read_text())))}
+    assert found == {}
+
+
+def test_the_scan_would_see_them() -> None:
+    bad = "import pickle\nx = eval(s)\ntorch.load(f)\nmsgspec.msgpack.Decoder()\nmsgpack.unpackb(b, ext_hook=h)\n"
+    assert len(_unsafe_calls(ast.parse(bad))) == 5
+    assert _unsafe_calls(ast.parse("model.eval()\ntorch.load(f, weights_only=True)\nDecoder(Message)\n")) == []
+
+
+def test_every_socket_reads_through_the_typed_decoder() -> None:
+    from specter import channel
+
+    assert isinstance(P._decoder, msgspec.msgpack.Decoder) and P._decoder.type == P.Message
+    assert channel.decode is P.decode  # Channel._decode: the only place frames become objects
+    assert set(typing.get_args(P.Message)) == set(P.MESSAGE_TYPES)
+    assert all(t.__struct_config__.frozen and t.__struct_config__.array_like for t in P.MESSAGE_TYPES)

@@ -3,7 +3,9 @@
 ``submit``/``promote``/``cancel`` send ``FetchExpert``/``PromoteFetch``/``DropFetch`` over a
 ZeroMQ push channel; a transfer's completion is read from the shared slots' seq table (its
 ``done`` is a :class:`SeqEvent`), so readiness costs no message and no Ray call. Counters come
-from the transfer side's :class:`~specter.experts.shared_counters.SharedCounters`.
+from the transfer side's :class:`~specter.experts.shared_counters.SharedCounters`. Setting
+``timed`` (the engine's untimed prefill) sends ``LinkTiming``, so the transfer side's link model
+is switched off and on exactly as an in-process ``SimulatedLink``'s.
 
 Whether a transfer has started is also read from the table (its slot's sequence number moved
 since it was submitted). A cancel that races with the copy thread starting that very transfer is
@@ -22,11 +24,11 @@ from typing import Any
 
 import torch
 
-from specter.actor_channel import ActorChannel
-from specter.actor_messages import DropFetch, FetchExpert, PromoteFetch
+from specter.channel import Channel
 from specter.experts.link import DEMAND, Link, LinkError, Transfer
 from specter.experts.shared_counters import SharedCounters
 from specter.experts.shm import SharedSlots, SlotTimeout
+from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +80,10 @@ class RemoteLink(Link):
 
     name = "remotelink"
 
-    def __init__(self, channel: ActorChannel, slots: SharedSlots, counters: SharedCounters):
+    def __init__(self, channel: Channel, slots: SharedSlots, counters: SharedCounters):
         # No worker thread here: the transfer actor's copy thread does the work.
         self.channel, self.slots, self.counters = channel, slots, counters
+        self._timed = True
         self._ids = itertools.count()
         self._id_of: weakref.WeakKeyDictionary[Transfer, int] = weakref.WeakKeyDictionary()
         self._closed = False
@@ -97,6 +100,19 @@ class RemoteLink(Link):
     @property
     def transfers(self) -> int:  # type: ignore[override]
         return self.counters.read()[2]
+
+    @property
+    def timed(self) -> bool:
+        """False while the transfer side's copies skip the link model (``SimulatedLink.timed``)."""
+        return self._timed
+
+    @timed.setter
+    def timed(self, value: bool) -> None:
+        # The transfer side switches when it reads this, after every command sent before it; as in
+        # process, each copy takes the mode of the moment it starts.
+        if bool(value) != self._timed:
+            self.channel.send(LinkTiming(bool(value)))
+            self._timed = bool(value)
 
     def submit(
         self, key: Key, slot: int, src: torch.Tensor, dst: torch.Tensor, priority: int, wait_for: Any = None

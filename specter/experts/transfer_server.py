@@ -4,7 +4,10 @@
 transfer, one at a time, demand before prefetch, queued ones cancellable) whose copies land in
 :class:`~specter.experts.shm.SharedSlots`: each transfer claims its slot in the seq table, copies,
 waits out the link model, counts itself in :class:`SharedCounters`, then publishes the key.
-``TransferServer`` reads ``FetchExpert``/``PromoteFetch``/``DropFetch`` from a channel and drives it.
+``TransferServer`` reads ``FetchExpert``/``PromoteFetch``/``DropFetch``/``LinkTiming`` from a
+channel and drives it. A command that names no real expert, slot or transfer, or a message meant
+for another actor, is refused before it indexes anything, counted in ``rejections`` by reason and
+logged at most once per second per reason; nothing a peer sends stops the loop but ``Shutdown``.
 """
 
 from __future__ import annotations
@@ -14,17 +17,17 @@ import threading
 import time
 import weakref
 
-from specter.actor_channel import ActorChannel
-from specter.actor_messages import DropFetch, FetchExpert, PromoteFetch
+from specter.channel import Channel, DropLog
 from specter.config import LinkConfig
 from specter.experts.link import SimulatedLink, Transfer
 from specter.experts.shared_counters import SharedCounters
 from specter.experts.shm import SharedSlots
 from specter.experts.store import ExpertStore
-from specter.protocol import Shutdown
+from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch, Shutdown
 
 log = logging.getLogger(__name__)
 
+OUT_OF_RANGE, UNKNOWN_ID, DUPLICATE_ID, UNEXPECTED = "out_of_range", "unknown_id", "duplicate_id", "unexpected"
 PINNED_RETRY_S = 1e-4
 _PRUNE_AT = 4096
 
@@ -78,35 +81,43 @@ class TransferServer:
         counters: the shared counters this process created.
         link: the link model (``sim``; a CUDA copy stream is the next step).
         channel: a pull channel from the verifier.
+
+    Attributes:
+        rejections: refused commands per reason: ``out_of_range`` (no such layer, expert or slot),
+            ``unknown_id`` (promote/drop of a transfer never fetched), ``duplicate_id`` (a fetch
+            reusing the id of a pending transfer), ``unexpected`` (a message for another actor).
     """
 
     def __init__(
         self, store: ExpertStore, slots: SharedSlots, counters: SharedCounters, link: LinkConfig,
-        channel: ActorChannel,
+        channel: Channel,
     ):
         if link.kind != "sim":
             raise ValueError("link: the transfer actor supports sim:GBPS links only so far")
         self.store, self.slots, self.channel = store, slots, channel
         self.link = SlotWriterLink(slots, counters, link.bandwidth, link.latency)
         self.transfers: dict[int, Transfer] = {}
-        self.rejected = 0
+        self._layers = frozenset(store.layers)
+        self._refuse = DropLog("transfer", (OUT_OF_RANGE, UNKNOWN_ID, DUPLICATE_ID, UNEXPECTED))
+        self.rejections: dict[str, int] = self._refuse.counts
+
+    @property
+    def rejected(self) -> int:
+        """Commands refused so far, all reasons."""
+        return self._refuse.total
 
     def handle(self, msg: object) -> bool:
         """Act on one message; False when it says to stop."""
         if isinstance(msg, FetchExpert):
             self._fetch(msg)
         elif isinstance(msg, PromoteFetch | DropFetch):
-            transfer = self.transfers.get(msg.id)
-            if transfer is None:
-                return True
-            if isinstance(msg, PromoteFetch):
-                self.link.promote(transfer)
-            else:
-                self.link.cancel(transfer)
+            self._promote_or_drop(msg)
+        elif isinstance(msg, LinkTiming):
+            self.link.timed = msg.timed
         elif isinstance(msg, Shutdown):
             return False
         else:
-            log.warning("transfer: ignoring a %s message", type(msg).__name__)
+            self._refuse(UNEXPECTED, f"a {type(msg).__name__} message is not for the transfer actor")
         return True
 
     def serve(self, stop: threading.Event, poll_s: float = 0.05) -> None:
@@ -120,10 +131,22 @@ class TransferServer:
         """Stop the copy thread (queued copies are dropped)."""
         self.link.close()
 
+    def _promote_or_drop(self, msg: PromoteFetch | DropFetch) -> None:
+        transfer = self.transfers.get(msg.id)
+        if transfer is None:
+            self._refuse(UNKNOWN_ID, f"{msg}: no transfer has this id")
+        elif isinstance(msg, PromoteFetch):
+            self.link.promote(transfer)
+        else:
+            self.link.cancel(transfer)
+
     def _fetch(self, msg: FetchExpert) -> None:
-        if msg.layer not in self.store.layers or msg.expert >= self.store.num_experts or msg.slot >= self.slots.num_slots:
-            self.rejected += 1
-            log.warning("transfer: refusing %s (no such expert or slot)", msg)
+        if msg.layer not in self._layers or msg.expert >= self.store.num_experts or msg.slot >= self.slots.num_slots:
+            self._refuse(OUT_OF_RANGE, f"{msg}: no such expert or slot")
+            return
+        pending = self.transfers.get(msg.id)
+        if pending is not None and not (pending.done.is_set() or pending.cancelled):
+            self._refuse(DUPLICATE_ID, f"{msg}: transfer {msg.id} is still pending")
             return
         src = self.store.blob(msg.layer, msg.expert)
         dst = self.slots.storage[msg.slot]
@@ -134,4 +157,4 @@ class TransferServer:
             transfer = self.link.submit_untimed(key, msg.slot, src, dst, msg.priority)
         self.transfers[msg.id] = transfer
         if len(self.transfers) > _PRUNE_AT:
-            self.transfers = {i: t for i, t in self.transfers.items() if not t.done.is_set()}
+            self.transfers = {i: t for i, t in self.transfers.items() if not (t.done.is_set() or t.cancelled)}

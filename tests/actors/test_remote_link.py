@@ -1,23 +1,32 @@
-"""RemoteLink + TransferServer in one process (no Ray): demand before prefetch, cancel, counters."""
+"""RemoteLink + TransferServer in one process (no Ray): demand before prefetch, cancel, counters,
+refused commands, and the untimed prefill behaving as in process."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
-from specter.actor_channel import ActorChannel
-from specter.channel import private_ipc_dir
-from specter.config import LinkConfig
+from specter.channel import Channel, private_ipc_dir
+from specter.config import LinkConfig, SlotConfig
+from specter.engine import Engine
 from specter.experts.link import DEMAND, PREFETCH, Transfer
+from specter.experts.remote_experts import RemoteExperts, ShapeStore
 from specter.experts.remote_link import RemoteLink
 from specter.experts.shared_counters import SharedCounters
 from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
-from specter.experts.transfer_server import TransferServer
+from specter.experts.transfer_server import OUT_OF_RANGE, UNEXPECTED, UNKNOWN_ID, TransferServer
+from specter.models.loader import build_dense, load_store
+from specter.plan import make_policy
+from specter.protocol import DropFetch, FetchExpert, PlanDelta, PromoteFetch
+from specter.target import OffloadedTarget, _groups
 
 SHAPE = ExpertShape(hidden=8, intermediate=4, dtype=torch.float32)  # 384 bytes per expert
 STEP_S = 0.1  # every transfer takes this long on the simulated link
@@ -31,18 +40,15 @@ def _until_started(transfer: Transfer, timeout_s: float = 5.0) -> None:
         time.sleep(0.001)
 
 
-@pytest.fixture()
-def link() -> Iterator[tuple[RemoteLink, SharedSlots, TransferServer]]:
-    store = ExpertStore([0, 1], 4, SHAPE)
-    for layer in (0, 1):
-        for expert in range(4):
-            store.blob(layer, expert).fill_(10 * layer + expert)
+@contextmanager
+def transfer_side(store: ExpertStore, num_slots: int, link: LinkConfig) -> Iterator[tuple[RemoteLink, TransferServer]]:
+    """A TransferServer serving in a thread over real ipc + shared memory, and the RemoteLink to it."""
     prefix = new_prefix("spt-test")
-    slots = SharedSlots.create(prefix, 6, SHAPE.numel, SHAPE.dtype)
+    slots = SharedSlots.create(prefix, num_slots, store.shape.numel, store.shape.dtype)
     counters = SharedCounters(prefix, create=True)
     ipc = private_ipc_dir()
-    pull = ActorChannel("pull", ipc.endpoint("transfer"), bind=True, peer="verifier")
-    server = TransferServer(store, slots, counters, LinkConfig(bandwidth=1e12, latency=STEP_S), pull)
+    pull = Channel("pull", ipc.endpoint("transfer"), bind=True, peer="verifier")
+    server = TransferServer(store, slots, counters, link, pull)
     stop = threading.Event()
 
     def serve() -> None:
@@ -51,12 +57,12 @@ def link() -> Iterator[tuple[RemoteLink, SharedSlots, TransferServer]]:
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    push = ActorChannel("push", pull.address, bind=False, peer="transfer")
+    push = Channel("push", pull.address, bind=False, peer="transfer")
     push.handshake("verifier", 10)
     reader = SharedSlots.attach(slots.handle)
     remote = RemoteLink(push, reader, SharedCounters(prefix, create=False))
     try:
-        yield remote, reader, server
+        yield remote, server
     finally:
         stop.set()
         thread.join(5)
@@ -69,6 +75,16 @@ def link() -> Iterator[tuple[RemoteLink, SharedSlots, TransferServer]]:
         slots.unlink()
         counters.close()
         assert unlink_prefix(prefix) == []
+
+
+@pytest.fixture()
+def link() -> Iterator[tuple[RemoteLink, SharedSlots, TransferServer]]:
+    store = ExpertStore([0, 1], 4, SHAPE)
+    for layer in (0, 1):
+        for expert in range(4):
+            store.blob(layer, expert).fill_(10 * layer + expert)
+    with transfer_side(store, 6, LinkConfig(bandwidth=1e12, latency=STEP_S)) as (remote, server):
+        yield remote, remote.slots, server
 
 
 def test_demand_jumps_queued_prefetches_and_lands_in_the_shared_slot(link) -> None:
@@ -107,3 +123,102 @@ def test_promote_and_cancel_and_counters(link) -> None:
     assert (moved, transfers) == (3 * SHAPE.nbytes, 3)
     assert busy >= 3 * STEP_S * 0.9
     assert server.rejected == 0
+
+
+def _until(condition, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.005)
+
+
+def test_commands_that_name_nothing_are_refused_and_counted(link) -> None:
+    remote, slots, server = link
+    send = remote.channel.send
+    send(FetchExpert(100, 7, 0, 0, 0))  # no layer 7
+    send(FetchExpert(101, 0, 4, 0, 0))  # no expert 4
+    send(FetchExpert(102, 0, 0, 6, 0))  # no slot 6
+    send(PromoteFetch(555))
+    send(DropFetch(556))
+    send(PlanDelta(0, 0, [0], [[1]], [[1.0]]))  # for the policy, not the transfer actor
+    _until(lambda: server.rejected == 6)
+    assert server.rejections == {OUT_OF_RANGE: 3, UNKNOWN_ID: 2, "duplicate_id": 0, UNEXPECTED: 1}
+    assert all(slots.read(s)[1] == 0 for s in range(slots.num_slots)), "a refused command touched a slot"
+    ok = remote.submit((1, 2), 1, torch.empty(0), slots.storage[1], DEMAND)  # the server still serves
+    ok.wait(5)
+    assert slots.read(1)[0] == (1, 2)
+
+
+def test_link_timing_switches_the_transfer_side_model(link) -> None:
+    remote, slots, server = link
+    remote.timed = False
+    _until(lambda: not server.link.timed)
+    t0 = time.perf_counter()
+    remote.submit((0, 1), 0, torch.empty(0), slots.storage[0], DEMAND).wait(5)
+    assert time.perf_counter() - t0 < STEP_S  # copy speed, not the 0.1 s link model
+    assert remote.transfers == 1 and remote.bytes_moved == SHAPE.nbytes  # counted, as in process
+    remote.timed = True
+    t0 = time.perf_counter()
+    remote.submit((0, 2), 1, torch.empty(0), slots.storage[1], DEMAND).wait(5)
+    assert time.perf_counter() - t0 >= STEP_S * 0.9
+    received = server.channel.received
+    remote.timed = True  # no change: no message
+    remote.submit((0, 3), 2, torch.empty(0), slots.storage[2], DEMAND).wait(5)
+    assert server.channel.received == received + 1 and server.link.timed
+
+
+# -- untimed prefill: in process vs RemoteLink + TransferServer -------------------------------
+
+PROMPT = [5, 99, 17, 42, 8, 63, 21]
+SLOW = LinkConfig(kind="sim", bandwidth=1e6, latency=0.0)  # ~18 ms per tiny expert (18 432 bytes)
+BUDGET = SlotConfig(fraction=0.25)
+
+
+@contextmanager
+def _remote_target(folder: Path) -> Iterator[OffloadedTarget]:
+    """The verifier actor's target (``actors/verifier.py``), with its transfer side in a thread."""
+    host = build_dense(folder, torch.float32)
+    store = load_store(host)
+    groups = _groups(BUDGET, host)
+    with transfer_side(store, sum(groups.values()), SLOW) as (remote, _):
+        loaded = build_dense(folder, torch.float32)
+        pool = SlotPool(loaded.shape, groups, torch.device("cpu"))
+        pool.storage = remote.slots.storage
+        shapes = ShapeStore(loaded.moe_layers, loaded.num_experts, loaded.shape)
+        offload = RemoteExperts(shapes, pool, remote, make_policy("demand-lru"), timeout=30)
+        offload.prefill_slots()
+        yield OffloadedTarget(loaded, offload, torch.device("cpu"))
+
+
+def _run(target: OffloadedTarget, untimed: bool) -> tuple[list[int], dict]:
+    tokens, stats = Engine(target, untimed_prefill=untimed).generate_fresh(PROMPT, 3)
+    return tokens, stats.to_dict()
+
+
+def test_untimed_prefill_through_the_transfer_server_matches_in_process(tiny_dir) -> None:
+    folder = tiny_dir("mixtral")
+    local = OffloadedTarget.load(folder, BUDGET, SLOW, policy="demand-lru")
+    local.offload.host = None  # the verifier holds no host blobs, so no host compute: compare like with like
+    try:
+        runs = {("local", u): _run(local, u) for u in (False, True)}
+    finally:
+        local.close()
+    with _remote_target(folder) as remote:
+        runs.update({("remote", u): _run(remote, u) for u in (False, True)})
+    tokens = {key: run[0] for key, run in runs.items()}
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+    step = 3 * 32 * 48 * 4 / SLOW.bandwidth  # one expert on the slow link
+    for where in ("local", "remote"):
+        timed, untimed = runs[(where, False)][1], runs[(where, True)][1]
+        prefill_transfers = timed["misses"] - timed["decode_misses"]
+        assert prefill_transfers >= 3
+        # same transfers and bytes either way: untimed copies are counted, only faster
+        assert (untimed["transfers"], untimed["bytes_moved"]) == (timed["transfers"], timed["bytes_moved"])
+        assert timed["prefill_s"] >= 0.9 * prefill_transfers * step
+        assert untimed["prefill_s"] < timed["prefill_s"] - 0.5 * prefill_transfers * step, where
+        assert untimed["link_busy_s"] < timed["link_busy_s"] - 0.5 * prefill_transfers * step, where
+    for mode in (False, True):  # the remote link counts exactly what the local one does
+        here, there = runs[("local", mode)][1], runs[("remote", mode)][1]
+        for key in ("transfers", "bytes_moved", "misses", "decode_misses"):
+            assert here[key] == there[key], (key, mode)
+        assert abs(here["link_busy_s"] - there["link_busy_s"]) < 0.25 * here["link_busy_s"] + 2 * step

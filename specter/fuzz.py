@@ -1,0 +1,380 @@
+"""A seeded fuzzer for the plan plane's sockets (issue 8): garbage in, counted drops out.
+
+:class:`FrameFuzzer` makes frames that a peer should never send: random bytes, truncated and
+bit-flipped messages, wrong field types, huge length headers, deeply nested arrays, unknown tags,
+ids outside the wire's ranges, structs whose ids name nothing in the engine (a layer, expert, slot,
+token or transfer it does not have), another protocol version, and well-formed messages at the
+wrong time or for another actor. A few stray but fitting draft requests (``stray_valid``) go to
+the draft too.
+
+What it never sends is a well-formed command the actor would rightly obey and that changes the
+engine: ``Shutdown``, a ``FetchExpert`` into a real slot, a promote/drop of a transfer id the
+verifier may have issued, ``LinkTiming(False)``. The plan plane has no authentication: any
+process of the same user can reach its 0700 ipc directory and command the actors (as it could
+ptrace them), so such frames test nothing about robustness (docs/security.md). Every frame is
+decoded here before it is sent, so a bit flip that happens to make one of them is replaced.
+
+:func:`fuzz_engine` drives a launched replica (``actors.launcher.launch``): it pushes frames into
+the transfer actor's pull socket from a second connection of its own, and into the draft actor's
+pair socket through the verifier's connection (a ``pair`` socket admits one peer; between requests
+the fuzzer borrows it, so every frame crosses the real connection into the draft's real decode
+path), then checks that the replica still generates the same tokens and reads what each actor
+counted. Ray is imported only there. ``scripts/fuzz_wire.py`` is the command line.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from specter import protocol as P
+from specter.channel import check_endpoint
+
+ID_FLOOR = 1 << 30  # promote/drop ids from here up: far above any transfer id a verifier issues
+VALID_RATE = 0.002  # share of stray but fitting draft requests (they make the draft work)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one fuzzed actor accepts (read from the running actor).
+
+    Attributes:
+        role: ``transfer`` or ``draft``.
+        layers: MoE layer ids (transfer).
+        num_experts: routed experts per layer (transfer).
+        num_slots: shared slots (transfer).
+        vocab_size: token ids are below this (draft).
+        max_positions: positions the draft holds (draft).
+    """
+
+    role: str
+    layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_slots: int = 0
+    vocab_size: int = 0
+    max_positions: int = 0
+
+
+class FrameFuzzer:
+    """Seeded bad frames for one actor's socket; ``frame()`` returns ``(category, parts)``.
+
+    Args:
+        target: the actor's ranges.
+        seed: the random seed (the same seed gives the same frames).
+    """
+
+    def __init__(self, target: Target, seed: int):
+        self.t, self.rng = target, random.Random(seed)
+        self.valid = [P.encode(m) for m in self._valid_looking()]
+        self.makers = [
+            self._random_bytes, self._truncated, self._bit_flipped, self._wrong_types, self._huge_length,
+            self._deep, self._unknown_tag, self._wire_range, self._engine_range, self._wrong_version,
+            self._out_of_order, self._multipart,
+        ]
+        self.skipped = 0  # frames that came out as commands the actor would obey, replaced
+
+    def frame(self) -> tuple[str, list[bytes]]:
+        """One frame (a list of ZeroMQ parts; more than one only for ``multipart``)."""
+        if self.t.role == "draft" and self.rng.random() < VALID_RATE:
+            return "stray_valid", [P.encode(self._stray_request())]
+        while True:
+            maker = self.rng.choice(self.makers)
+            parts = maker()
+            if len(parts) > 1 or not self._obeyed(parts[0]):
+                return maker.__name__.lstrip("_"), parts
+            self.skipped += 1
+
+    # -- the categories ---------------------------------------------------------------------
+    def _random_bytes(self) -> list[bytes]:
+        return [self.rng.randbytes(self.rng.randrange(0, 96))]
+
+    def _truncated(self) -> list[bytes]:
+        frame = self.rng.choice(self.valid)
+        return [frame[: self.rng.randrange(0, len(frame))]]
+
+    def _bit_flipped(self) -> list[bytes]:
+        frame = bytearray(self.rng.choice(self.valid))
+        for _ in range(self.rng.randrange(1, 4)):
+            frame[self.rng.randrange(len(frame))] ^= 1 << self.rng.randrange(8)
+        return [bytes(frame)]
+
+    def _wrong_types(self) -> list[bytes]:
+        raw = msgpack.unpackb(self.rng.choice(self.valid))
+        i = self.rng.randrange(1, len(raw)) if len(raw) > 1 else 0
+        raw[i] = self.rng.choice([None, "x", -1, 2**40, 1.5, [None], {"a": 1}, b"\xff", [[-1]], True, 2**64 - 1])
+        return [msgpack.packb(raw)]
+
+    def _huge_length(self) -> list[bytes]:
+        header, width = self.rng.choice([(b"\xdd", 4), (b"\xdc", 2), (b"\xdb", 4), (b"\xc6", 4), (b"\xdf", 4)])
+        size = self.rng.choice([2**32 - 1, 2**31, 65535, 10**9]) % (1 << (8 * width))
+        lead = self.rng.choice([b"", b"\x92\xa5fetch", b"\x96\xa7propose\x00\x00", b"\x93\xa4plan"])
+        return [lead + header + size.to_bytes(width, "big") + self.rng.randbytes(self.rng.randrange(0, 16))]
+
+    def _deep(self) -> list[bytes]:
+        depth = self.rng.choice([64, 1000, 100_000])
+        lead = self.rng.choice([b"", b"\x92\xa4drop", b"\x96\xa5fetch\x00\x00\x00"])
+        return [lead + b"\x91" * depth + b"\x00"]
+
+    def _unknown_tag(self) -> list[bytes]:
+        tag = self.rng.choice(["", "fetchx", "FETCH", "propose2", "\u00e9", "x" * 300])
+        return [msgpack.packb([tag, 1, [2]])]
+
+    def _wire_range(self) -> list[bytes]:
+        bad = self.rng.choice([-1, -(2**63), 2**31, 2**64 - 1])
+        raw = self.rng.choice(
+            [["fetch", bad, 0, 0, 0, 1], ["fetch", 0, bad, 0, 0, 1], ["fetch", 0, 0, bad, 0, 1],
+             ["fetch", 0, 0, 0, bad, 1], ["fetch", 0, 0, 0, 0, bad], ["promote", bad], ["drop", bad],
+             ["propose", bad, 0, [1], 2], ["propose", 0, bad, [1], 2], ["propose", 0, 0, [bad], 2],
+             ["propose", 0, 0, [1], bad], ["start", "r", [bad], 4], ["plan", bad, 0, [1], [[1]], [[0.5]]],
+             ["verify", 0, bad, 1, [[1]], [1]], ["demand", bad, 1, [2]], ["cancel", bad]]
+        )
+        return [msgpack.packb(raw)]
+
+    def _engine_range(self) -> list[bytes]:
+        """Structs that decode but name nothing the engine has."""
+        t, rng, big = self.t, self.rng, self.rng.choice([1, 7, 1000, P.MAX_ID - 1])
+        if t.role == "transfer":
+            layer, expert, slot = rng.choice(t.layers), rng.randrange(t.num_experts), rng.randrange(t.num_slots)
+            which = rng.randrange(5)
+            if which == 0:
+                layer = _not_in(t.layers, rng)
+            elif which == 1:
+                expert = t.num_experts - 1 + big
+            elif which == 2:
+                slot = t.num_slots - 1 + big
+            else:
+                unknown = rng.randrange(ID_FLOOR, P.MAX_ID)
+                return [P.encode(P.PromoteFetch(unknown) if rng.random() < 0.5 else P.DropFetch(unknown))]
+            return [P.encode(P.FetchExpert(rng.randrange(P.MAX_ID), layer, expert, slot, rng.randrange(2)))]
+        token = min(t.vocab_size - 1 + big, P.MAX_ID)
+        beyond = min(t.max_positions + big, P.MAX_TOKENS)  # positions the draft does not have
+        choices: list[P.Message] = [
+            P.StartRequest("fuzz", [1, token], 4),
+            P.ProposeRequest(rng.randrange(P.MAX_ID), 0, [token], 2),
+            P.ProposeRequest(0, beyond, [1], 2),  # keep past what the cache holds
+        ]
+        if t.max_positions < 4096:  # small enough to spell out
+            choices.append(P.StartRequest("fuzz", [1] * (t.max_positions + rng.choice([1, 7])), 4))
+        if t.max_positions < P.MAX_WINDOW:
+            choices.append(P.ProposeRequest(0, 0, [1], P.MAX_WINDOW))
+        return [P.encode(rng.choice(choices))]
+
+    def _wrong_version(self) -> list[bytes]:
+        version = self.rng.choice([0, P.PROTOCOL_VERSION - 1, P.PROTOCOL_VERSION + 1, P.MAX_ID])
+        if version == P.PROTOCOL_VERSION:
+            version = 0
+        hello: list[P.Message] = [P.Hello(version, "fuzz", 1), P.Welcome(version, "fuzz")]
+        msg = self.rng.choice(hello)
+        return [P.encode(msg)]
+
+    def _out_of_order(self) -> list[bytes]:
+        """Well-formed messages for another actor or another moment."""
+        others: list[P.Message] = [
+            P.Hello(P.PROTOCOL_VERSION, "fuzz", 1), P.Welcome(P.PROTOCOL_VERSION, "fuzz"),
+            P.PlanDelta(self.rng.randrange(P.MAX_ID), 0, [1], [[2]], [[0.5]]), P.DraftTokens(3, [1, 2]),
+            P.VerifyResult(1, 0, 1, [[1]], [1]), P.DemandRequest(1, 1, [1]), P.RequestDone("r", [1]),
+            P.Cancel(4), P.Error("fuzz", "not really"),
+        ]
+        if self.t.role == "transfer":
+            others += [P.StartRequest("r", [1], 1), P.ProposeRequest(0, 0, [1], 1), P.LinkTiming(True)]
+        else:
+            others += [P.FetchExpert(0, 0, 0, 0, 0), P.PromoteFetch(0), P.DropFetch(0), P.LinkTiming(False)]
+        return [P.encode(self.rng.choice(others))]
+
+    def _multipart(self) -> list[bytes]:
+        return [self.rng.choice(self.valid) for _ in range(self.rng.randrange(2, 4))]
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _valid_looking(self) -> list[P.Message]:
+        return [
+            P.FetchExpert(ID_FLOOR, 1, 2, 3, 1), P.PromoteFetch(ID_FLOOR), P.DropFetch(ID_FLOOR + 1),
+            P.ProposeRequest(3, 1, [5, 6], 4, True), P.StartRequest("r", [1, 2, 3], 8),
+            P.PlanDelta(3, 1, [0, 2], [[1, 5], [7, 0]], [[0.75, 0.25], [0.5, 0.5]]),
+            P.VerifyResult(3, 1, 42, [[1, 5, 6], [0, 7]], [0, 2]), P.Hello(P.PROTOCOL_VERSION, "fuzz", 7),
+            P.DraftTokens(4, [3, 7]), P.Cancel(2), P.LinkTiming(True),
+        ]
+
+    def _stray_request(self) -> P.Message:
+        """A request that fits the draft, sent between requests: the draft runs it, then the next
+        real ``StartRequest`` resets its cache."""
+        tokens = [self.rng.randrange(self.t.vocab_size) for _ in range(self.rng.randrange(1, 5))]
+        if self.rng.random() < 0.5:
+            return P.StartRequest("fuzz", tokens, 1)
+        return P.ProposeRequest(self.rng.randrange(P.MAX_ID), 0, tokens, self.rng.randrange(1, 4))
+
+    def _obeyed(self, frame: bytes) -> bool:
+        """Whether the actor would rightly obey this frame in a way that changes the engine."""
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError:
+            return False
+        if isinstance(msg, P.Shutdown):
+            return True
+        if self.t.role == "draft":
+            return False
+        if isinstance(msg, P.FetchExpert):
+            return msg.layer in self.t.layers and msg.expert < self.t.num_experts and msg.slot < self.t.num_slots
+        if isinstance(msg, P.PromoteFetch | P.DropFetch):
+            return msg.id < ID_FLOOR
+        return isinstance(msg, P.LinkTiming) and not msg.timed
+
+
+def _not_in(layers: tuple[int, ...], rng: random.Random) -> int:
+    while (layer := rng.choice([rng.randrange(64), rng.randrange(P.MAX_ID)])) in layers:
+        pass
+    return layer
+
+
+# -- inside the actors (Ray's __ray_call__ runs these with the actor instance) ------------------
+
+def actor_counts(actor: Any) -> dict[str, Any]:
+    """A transfer or draft actor's counts: frames its channel read, dropped and refused."""
+    channel, server = actor.channel, actor.server
+    refused = dict(server.rejections)
+    return {
+        "frames": channel.received + sum(channel.dropped.values()),
+        "received": channel.received,
+        "dropped": dict(channel.dropped),
+        "refused": refused,
+        "accepted": channel.received - sum(refused.values()),
+        "unsent_errors": getattr(server, "unsent", 0),
+        "serving": bool(actor._thread is not None and actor._thread.is_alive()),
+    }
+
+
+def actor_target(actor: Any) -> Target:
+    """The ranges of a transfer or draft actor."""
+    server = actor.server
+    if hasattr(server, "store"):
+        return Target("transfer", tuple(server.store.layers), server.store.num_experts, server.slots.num_slots)
+    return Target("draft", vocab_size=server.vocab_size, max_positions=server.max_positions)
+
+
+def fuzz_through_verifier(verifier: Any, draft: Any, target: Target, seed: int, n: int, timeout_s: float) -> dict:
+    """Run inside the verifier actor: send ``n`` frames on its pair socket to the draft, reading
+    the draft's answers meanwhile, until the draft has read them all (its counts say so)."""
+    import ray
+
+    channel = verifier.proposer.channel
+    start = ray.get(draft.__ray_call__.remote(actor_counts))["frames"]
+    fuzzer, sent, answers = FrameFuzzer(target, seed), Counter[str](), 0
+    for _ in range(n):
+        category, parts = fuzzer.frame()
+        while True:
+            try:
+                channel.socket.send_multipart(parts, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # the draft is busy or waits for us to read: read, then retry
+                answers += _drain(channel, 0.01)
+        sent[category] += 1
+    deadline = time.monotonic() + timeout_s
+    while ray.get(draft.__ray_call__.remote(actor_counts))["frames"] - start < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the draft read fewer than {n} frames within {timeout_s:.0f}s")
+        answers += _drain(channel, 0.1)
+    answers += _drain(channel, 0.5)
+    return {"sent": dict(sent), "skipped": fuzzer.skipped, "answers": answers}
+
+
+def _drain(channel: Any, wait_s: float) -> int:
+    got = 0
+    while channel.recv(wait_s if got == 0 else 0) is not None:
+        got += 1
+    return got
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+def fuzz_pull_socket(endpoint: str, target: Target, seed: int, n: int, timeout_s: float = 60.0) -> dict:
+    """Connect a second PUSH peer to a pull socket and send it ``n`` bad frames."""
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.connect(check_endpoint(endpoint))
+    fuzzer, sent = FrameFuzzer(target, seed), Counter[str]()
+    try:
+        for _ in range(n):
+            category, parts = fuzzer.frame()
+            sock.send_multipart(parts)
+            sent[category] += 1
+    finally:
+        sock.close(linger=int(timeout_s * 1000))  # linger: deliver what is queued
+    return {"sent": dict(sent), "skipped": fuzzer.skipped}
+
+
+def fuzz_engine(
+    handle: Any, prompt: list[int], new_tokens: int, frames: int, seed: int = 0, rounds: int = 2,
+    timeout_s: float = 120.0, **options: Any,
+) -> dict[str, Any]:
+    """Fuzz both sockets of a launched replica ``frames`` frames each, in ``rounds`` bursts between
+    requests; after each burst the replica must generate what it generated before any.
+
+    Returns:
+        ``{"tokens_identical", "reference", "transfer": {...}, "draft": {...}}``: per socket the
+        frames sent by category and the actor's own counts (read, dropped, refused, accepted).
+
+    Raises:
+        AssertionError: the output changed, an actor stopped serving, or a frame went uncounted.
+    """
+    import ray
+
+    reference = handle.generate(prompt, new_tokens, **options)["tokens"]
+    endpoint = ray.get(handle.transfer.info.remote())["endpoint"]
+    actors = {"transfer": handle.transfer, "draft": handle.draft}
+    targets = {role: ray.get(a.__ray_call__.remote(actor_target)) for role, a in actors.items()}
+    sent: dict[str, Counter[str]] = {role: Counter() for role in actors}
+    counted: dict[str, list[dict[str, Any]]] = {role: [] for role in actors}
+    identical, per_round = True, -(-frames // rounds)
+    for r in range(rounds):
+        n = min(per_round, frames - r * per_round)
+        before = ray.get(handle.transfer.__ray_call__.remote(actor_counts))
+        sent["transfer"].update(fuzz_pull_socket(endpoint, targets["transfer"], seed + 2 * r, n, timeout_s)["sent"])
+        counted["transfer"].append(_delta(before, _wait_frames(handle.transfer, before["frames"] + n, timeout_s)))
+        before = ray.get(handle.draft.__ray_call__.remote(actor_counts))
+        call = handle.verifier.__ray_call__.remote(
+            fuzz_through_verifier, handle.draft, targets["draft"], seed + 2 * r + 1, n, timeout_s
+        )
+        sent["draft"].update(ray.get(call)["sent"])
+        counted["draft"].append(_delta(before, ray.get(handle.draft.__ray_call__.remote(actor_counts))))
+        identical &= handle.generate(prompt, new_tokens, **options)["tokens"] == reference
+    report: dict[str, Any] = {"tokens_identical": identical, "reference": reference}
+    for role in actors:
+        total = _sum(counted[role])
+        total["uncounted"] = sum(sent[role].values()) - total["frames"]
+        report[role] = {"target": asdict(targets[role]), "sent": dict(sent[role]), **total}
+    return report
+
+
+def _wait_frames(actor: Any, expected: int, timeout_s: float) -> dict[str, Any]:
+    """The actor's counts once its channel has read ``expected`` frames in all."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while (counts := ray.get(actor.__ray_call__.remote(actor_counts)))["frames"] < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the actor read {counts['frames']} of {expected} frames within {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return counts
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"serving": after["serving"]}
+    for key in ("frames", "received", "accepted", "unsent_errors"):
+        out[key] = after[key] - before[key]
+    for key in ("dropped", "refused"):
+        out[key] = {k: v - before[key].get(k, 0) for k, v in after[key].items()}
+    return out
+
+
+def _sum(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"serving": all(d["serving"] for d in deltas)}
+    for key in ("frames", "received", "accepted", "unsent_errors"):
+        out[key] = sum(d[key] for d in deltas)
+    for key in ("dropped", "refused"):
+        out[key] = {k: sum(d[key].get(k, 0) for d in deltas) for k in sorted({k for d in deltas for k in d[key]})}
+    return out

@@ -87,8 +87,15 @@ def run_batch(
     driver = Recorder("all", "driver")
     replicas = [_Replica(f"r{i}", placement) for i, placement in enumerate(spread(options.replicas))]
     try:
-        for replica in replicas:
-            _start(replica, options, launcher)
+        for replica in list(replicas):
+            try:
+                _start(replica, options, launcher)
+            except TimeoutError as exc:  # no room for this one: go on with those that started
+                if replica is replicas[0]:
+                    raise
+                log.warning("%s; going on with %d replica(s)", exc, replicas.index(replica))
+                replicas = replicas[: replicas.index(replica)]
+                break
         while todo or any(r.busy for r in replicas):
             driver.set("specter_queue_depth", len(todo))
             for replica in replicas:

@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args, parser)
         if args.command == "quantize":
             return run_quantize(args)
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError, FileNotFoundError, TimeoutError, ConnectionError) as exc:
         print(f"specter: error: {exc}", file=sys.stderr)
         return 1
     return 2

@@ -146,6 +146,9 @@ class VerifierActor:
         store = ShapeStore(loaded.moe_layers, loaded.num_experts, loaded.shape)
         offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
         offload.prefill_slots()
+        if offload.policy.host_compute and offload.host is None:
+            log.warning("verifier: policy %s computes late experts on the host in process, but through the actors "
+                        "the host blobs live in the transfer actor: it runs without host compute here", policy)
         self.target = OffloadedTarget(loaded, offload, DEVICE)
         self.policy_name = policy
         log.info("verifier: policy %s, %d slots over %s", policy, pool.num_slots, self.link.describe())

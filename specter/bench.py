@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
-from specter.plan import DRAFT_POLICIES, POLICIES
+from specter.models.loader import build_dense
+from specter.plan import POLICIES, drafts, policy_class
 from specter.profiles import PROFILES, Profile
 from specter.target import OffloadedTarget
 
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 BASELINE = "demand-lru"
 ACTORS = "specter@actors"
+ACTORS_POLICY = "specter+nohost"  # the actors' verifier has no host blobs, so no host compute yet
+RIVALS = ("specter-paper", "specmoeoff", "demand-host")
 
 
 @dataclass
@@ -42,6 +47,7 @@ class BenchConfig:
     new_tokens: int = 128
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
     actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
+    step_s: float | None = None  # this machine's all-resident step time; None: measure it first
 
 
 def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[float, int]:
@@ -57,20 +63,46 @@ def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[fl
     return stats.tpot_s, per_token
 
 
+def bytes_per_token(model: str) -> int:
+    """Bytes one token's experts take if all miss, at the CPU compute dtype (fp32)."""
+    loaded = build_dense(model, torch.float32)
+    return len(loaded.moe_layers) * loaded.top_k * loaded.shape.nbytes
+
+
 def link_for(profile: Profile, step_s: float, bytes_per_token: int) -> LinkConfig:
     """The simulated link that gives this machine's model the profile's offload pressure."""
     return LinkConfig(kind="sim", bandwidth=profile.sim_bandwidth(step_s, bytes_per_token), latency=0.0)
 
 
+def load_target(config: BenchConfig, link: LinkConfig, profile: Profile, policy: str) -> OffloadedTarget:
+    """A target for ``policy`` at the run's budget, with the profile's host CPU scaled like its link."""
+    budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
+    target = OffloadedTarget.load(config.model, budget, link, policy)
+    shape = target.loaded.shape
+    target.offload.set_host(profile.sim_host(link.bandwidth, shape.nbytes, 2 * shape.numel))
+    return target
+
+
+def window_of(config: BenchConfig, policy: str) -> int:
+    """K for ``policy``: given or profiled for it (or for its base policy), else its default."""
+    base = policy.split("+")[0]
+    if base == "oracle":  # the bound runs specter's schedule, so at specter's K
+        base = "specter"
+    return config.windows.get(policy, config.windows.get(base, policy_class(policy).default_window))
+
+
 def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every policy × prompt for every profile; returns the JSON-able results."""
-    step_s, per_token = resident_step_s(config.model, config.prompts[0])
+    if config.step_s is None:
+        step_s, per_token = resident_step_s(config.model, config.prompts[0])
+    else:  # several runs sharing one measured step share one simulated link and host
+        step_s, per_token = config.step_s, bytes_per_token(config.model)
     draft = load_draft(config.draft)
     results: dict[str, Any] = {"step_s": step_s, "bytes_per_token": per_token, "profiles": {}}
-    first = link_for(PROFILES[config.profiles[0]], step_s, per_token)
+    first = PROFILES[config.profiles[0]]
     for policy in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
         if policy in config.policies and policy not in config.windows:
-            config.windows[policy], scan = profile_window(config, draft, first, policy)
+            config.windows[policy], scan = profile_window(config, draft, first, policy, step_s, per_token)
             results.setdefault("window_scan", {})[policy] = scan
             log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[policy], scan)
     results["windows"] = dict(config.windows)
@@ -78,16 +110,17 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
         profile = PROFILES[name]
         link = link_for(profile, step_s, per_token)
         log.info("profile %s: rho %.1f, simulated link %.2f MB/s", name, profile.rho, link.bandwidth / 1e6)
-        runs = _run_profile(config, draft, link, progress, name)
-        results["profiles"][name] = {"rho": profile.rho, "link_bytes_per_s": link.bandwidth, "runs": runs,
-                                     "summary": summarize(runs)}
+        runs = _run_profile(config, draft, link, progress, profile)
+        results["profiles"][name] = {"rho": profile.rho, "eta": profile.eta, "rho_host": profile.rho_host,
+                                     "link_bytes_per_s": link.bandwidth, "runs": runs, "summary": summarize(runs)}
     return results
 
 
-def profile_window(config: BenchConfig, draft: Any, link: LinkConfig, policy: str) -> tuple[int, dict[int, float]]:
+def profile_window(
+    config: BenchConfig, draft: Any, profile: Profile, policy: str, step_s: float, per_token: int,
+) -> tuple[int, dict[int, float]]:
     """The K of lowest median TPOT for ``policy`` on two prompts (a short profiling run)."""
-    budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
-    target = OffloadedTarget.load(config.model, budget, link, policy)
+    target = load_target(config, link_for(profile, step_s, per_token), profile, policy)
     scan: dict[int, float] = {}
     try:
         for k in config.k_candidates:
@@ -99,9 +132,10 @@ def profile_window(config: BenchConfig, draft: Any, link: LinkConfig, policy: st
     return min(scan, key=lambda k: scan[k]), scan
 
 
-def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, name: str) -> dict:
+def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, profile: Profile) -> dict:
+    name = profile.name
     budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
-    targets = {p: OffloadedTarget.load(config.model, budget, link, p) for p in config.policies}
+    targets = {p: load_target(config, link, profile, p) for p in config.policies}
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
     handle, owns_ray = _launch_actors(config, link, budget) if config.actors else (None, False)
     if handle is not None:
@@ -110,14 +144,14 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
     try:
         for i, prompt in enumerate(config.prompts):
             for policy in config.policies:  # interleaved: machine noise hits every policy alike
-                window = config.windows.get(policy, POLICIES[policy].default_window)
-                use_draft = draft if policy in DRAFT_POLICIES else None
+                window = window_of(config, policy)
+                use_draft = draft if drafts(policy) else None
                 engine = Engine(targets[policy], use_draft, window if use_draft else 0, untimed_prefill=True)
                 _, stats = engine.generate_fresh(prompt, config.new_tokens)
                 runs[policy].append(stats.to_dict())
             if handle is not None:  # the same policy and window, through the actors, same prompt
-                window = config.windows.get("specter", POLICIES["specter"].default_window)
-                out = handle.generate(prompt, config.new_tokens, window=window, policy="specter")
+                window = window_of(config, "specter")
+                out = handle.generate(prompt, config.new_tokens, window=window, policy=ACTORS_POLICY)
                 runs[ACTORS].append(out["stats"])
             if progress:
                 done = i + 1
@@ -147,7 +181,7 @@ def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig) ->
     if started:  # a local Ray for this profile, shut down with the trio
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    return launch(config.model, config.draft, budget, link, policy="specter"), started
+    return launch(config.model, config.draft, budget, link, policy=ACTORS_POLICY), started
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
@@ -169,6 +203,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
             "wait_s_per_token": sum(r["wait_s"] for r in items) / tokens,
             "draft_s_per_token": sum(r.get("draft_s", 0.0) for r in items) / tokens,
             "verify_s_per_token": sum(r.get("verify_s", 0.0) for r in items) / tokens,
+            "host_per_token": sum(r.get("host_experts", 0) for r in items) / tokens,
+            "host_s_per_token": sum(r.get("host_s", 0.0) for r in items) / tokens,
+            "host_wait_s_per_token": sum(r.get("host_wait_s", 0.0) for r in items) / tokens,
             "window": items[0].get("window", 0),
         }
     return out
@@ -178,13 +215,15 @@ def table(results: dict[str, Any]) -> str:
     """The side-by-side table, one block per profile."""
     lines = []
     for name, block in results["profiles"].items():
-        lines.append(f"\nprofile {name} (rho {block['rho']:.1f}, sim link {block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
-        lines.append(f"{'policy':<15}{'K':>3}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
-                     f"{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}")
+        host = f", host eta {block['eta']:.2f}" if "eta" in block else ""
+        lines.append(f"\nprofile {name} (rho {block['rho']:.1f}{host}, sim link "
+                     f"{block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
+        lines.append(f"{'policy':<18}{'K':>3}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
+                     f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}")
         for policy, s in block["summary"].items():
-            lines.append(f"{policy:<15}{s['window']:>3}{s['tpot_s'] * 1e3:>10.2f}{s['speedup']:>8.2f}x"
-                         f"{s['hit_rate']:>7.2f}{s['misses_per_token']:>10.2f}{s['mb_per_token']:>8.2f}"
-                         f"{s['link_busy']:>7.0%}{s['recall']:>8.2f}{s['accepted']:>8.2f}")
+            lines.append(f"{policy:<18}{s['window']:>3}{s['tpot_s'] * 1e3:>10.2f}{s['speedup']:>8.2f}x"
+                         f"{s['hit_rate']:>7.2f}{s['misses_per_token']:>10.2f}{s.get('host_per_token', 0.0):>9.2f}"
+                         f"{s['mb_per_token']:>8.2f}{s['link_busy']:>7.0%}{s['recall']:>8.2f}{s['accepted']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -198,7 +237,7 @@ def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
             continue
         sp = s["specter"]
         at_2x.append((name, sp["speedup"]))
-        for rival in ("specter-paper", "specmoeoff"):
+        for rival in RIVALS:
             if rival in s:
                 ratio = s[rival]["tpot_s"] / sp["tpot_s"]
                 checks.append((f"[{name}] specter >= 1.2x faster than {rival}", ratio >= 1.2, f"{ratio:.2f}x"))
@@ -207,7 +246,8 @@ def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
             checks.append((f"[{name}] specter within 1.15x of oracle", ratio <= 1.15, f"{ratio:.2f}x"))
         checks.append((f"[{name}] prediction recall >= 0.9", sp["recall"] >= 0.9, f"{sp['recall']:.2f}"))
         if ACTORS in s:
-            over = s[ACTORS]["tpot_s"] / sp["tpot_s"] - 1
+            same = s.get(ACTORS_POLICY, sp)  # the in-process run of the policy the actors ran
+            over = s[ACTORS]["tpot_s"] / same["tpot_s"] - 1
             checks.append((f"[{name}] actors overhead <= 5% of TPOT", over <= 0.05, f"{over:+.1%}"))
     passed = [n for n, x in at_2x if x >= 2.0]
     numbers = ", ".join(f"{n}: {x:.2f}x" for n, x in at_2x)

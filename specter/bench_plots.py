@@ -35,10 +35,13 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
         for i, policy in enumerate(policies):
             s = summary[policy]
             x = j * (len(policies) + 1) + i
-            parts = [s["draft_s_per_token"], s["verify_s_per_token"] - s["wait_s_per_token"], s["wait_s_per_token"]]
+            host = s.get("host_wait_s_per_token", 0.0)
+            compute = s["verify_s_per_token"] - s["wait_s_per_token"] - host
+            parts = [s["draft_s_per_token"], compute, s["wait_s_per_token"], host]
             bottom = 0.0
-            names = ("draft", "verify compute", "waiting on the link")
-            for part, color, label in zip(parts, ("tab:blue", "tab:green", "tab:red"), names, strict=True):
+            names = ("draft", "verify compute", "waiting on the link", "waiting on the host")
+            colors = ("tab:blue", "tab:green", "tab:red", "tab:orange")
+            for part, color, label in zip(parts, colors, names, strict=True):
                 ax.bar(x, part * 1e3, bottom=bottom, color=color, label=label if (i, j) == (0, 0) else None)
                 bottom += part * 1e3
     ax.set_ylabel("ms per token")

@@ -18,7 +18,7 @@ from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, parse_bytes
 from specter.draft.cli import add_quantize_command, run_quantize
 from specter.models.checkpoint import CheckpointError
-from specter.plan import DRAFT_POLICIES, POLICIES
+from specter.plan import OPTIONS, POLICIES, drafts, policy_class
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -68,6 +68,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _policy(text: str) -> str:
+    try:
+        policy_class(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("policy: ")) from None
+    return text
+
+
+_POLICY_HELP = f"prefetch policy NAME[+OPTION...]: {', '.join(sorted(POLICIES))}; options {', '.join(OPTIONS)}"
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
@@ -86,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     gen.add_argument("--draft", default=None,
                      help="draft folder: an AWQ draft from `specter quantize` or any full-precision checkpoint")
-    gen.add_argument("--policy", default="demand-lru", choices=sorted(POLICIES), help="prefetch policy")
+    gen.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     gen.add_argument("--window", type=int, default=None,
                      help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies)")
     gen.add_argument("--budget", type=_fraction, default=None,
@@ -130,7 +141,7 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--out", required=True, help="results JSONL (appended; finished ids are skipped)")
     batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     batch.add_argument("--draft", default=None, help="draft folder (AWQ draft or full-precision checkpoint)")
-    batch.add_argument("--policy", default="demand-lru", choices=sorted(POLICIES), help="prefetch policy")
+    batch.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     batch.add_argument("--window", type=int, default=None, help="draft tokens per round K, 1..64")
     batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
     batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
@@ -175,6 +186,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens (a few minutes)")
     bench.add_argument("--actors", action="store_true",
                        help="add a 'specter@actors' column: specter through the Ray actors, same prompts")
+    bench.add_argument("--step-s", type=float, default=None,
+                       help="all-resident step time (s) that link and host are scaled to (default: measure it; "
+                            "on a busy machine the measurement is slow, docs/benchmark.md)")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")
 
 
@@ -190,12 +204,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if unknown:
         parser.error(f"argument --profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
     policies = [p for p in args.policies.split(",") if p]
-    if [p for p in policies if p not in POLICIES]:
-        parser.error(f"argument --policies: unknown {[p for p in policies if p not in POLICIES]}")
+    for name in policies:
+        try:
+            policy_class(name)
+        except ValueError as exc:
+            parser.error(f"argument --policies: {str(exc).removeprefix('policy: ')}")
     windows: dict[str, int] = {}
     for item in args.window:
         name, _, k = item.partition("=")
-        if name not in POLICIES or not k.isdigit() or not 0 < int(k) <= 64:
+        if name.split("+")[0] not in POLICIES or not k.isdigit() or not 0 < int(k) <= 64:
             parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
         windows[name] = int(k)
     count, tokens = (4, 32) if args.quick else (args.num_prompts, args.new_tokens)
@@ -206,6 +223,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.quick:
         config.k_candidates = (2, 4, 8)
     config.actors = args.actors
+    if args.step_s is not None:
+        if not args.step_s > 0:
+            parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
+        config.step_s = args.step_s
     results = bench.run(config)
     print(bench.table(results))
     print()
@@ -217,8 +238,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    needs_draft = args.policy in DRAFT_POLICIES
-    window = args.window if args.window is not None else (POLICIES[args.policy].default_window if args.draft else 0)
+    needs_draft = drafts(args.policy)
+    default = policy_class(args.policy).default_window
+    window = args.window if args.window is not None else (default if args.draft else 0)
     if needs_draft and args.draft is None:
         parser.error(f"argument --draft: policy {args.policy!r} needs a draft model (--draft DIR)")
     if not 0 <= window <= 64:
@@ -262,6 +284,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --device-memory: not available with --address yet; use --budget")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     link = args.link or (LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
+    args.profile = link if isinstance(link, str) else None
     if isinstance(link, str):
         link = _profile_link(link, args.model)
     if args.draft is not None:
@@ -319,6 +342,11 @@ def _in_process(args, parser, link, budget, window, sampling):  # type: ignore[n
                                   dtype=_DTYPES.get(args.dtype or ""), memory=memory)
     if target.memory_plan is not None:
         print(target.memory_plan.describe(), file=sys.stderr)
+    if args.profile is not None:  # the profile's host, scaled like its link (docs/profiles.md)
+        from specter.profiles import PROFILES
+
+        shape = target.offload.store.shape
+        target.offload.set_host(PROFILES[args.profile].sim_host(link.bandwidth, shape.nbytes, 2 * shape.numel))
     try:
         tokenizer = target.tokenizer
         prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)

@@ -74,7 +74,7 @@ class Engine:
         sampling = sampling or SamplingConfig()
         self._check_request(prompt_ids, max_new_tokens)
         gen = torch.Generator().manual_seed(sampling.seed)
-        before = (self.target.offload.counters.snapshot(), _link_state(self.target))
+        before = (self.target.offload.counters.snapshot(), _link_state(self.target), _host_state(self.target))
         self.policy.begin_request()
         tally = _Tally()
         t0 = time.perf_counter()
@@ -103,6 +103,8 @@ class Engine:
         tokens = seq[len(prompt_ids):]
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
+        host = (a - b for a, b in zip(_host_state(self.target), before[2], strict=True))
+        stats.extra["host_experts"], stats.extra["host_s"], stats.extra["host_wait_s"] = host
         return tokens, stats
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -230,6 +232,12 @@ def _score(tally: _Tally, predicted: dict[int, set[int]], true: dict[int, set[in
 
 def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def _host_state(target: OffloadedTarget) -> tuple[int, float, float]:
+    """(experts computed on the host, their host time, time layers waited for the host)."""
+    host = target.offload.host
+    return host.snapshot() if host is not None else (0, 0.0, 0.0)
 
 
 def _link_state(target: OffloadedTarget) -> tuple[int, float, int]:

@@ -2,14 +2,47 @@
 pressure ρ = (time to move one token's experts if all miss) / (time of one all-resident decode step).
 
 On a CPU the simulated link's bandwidth is set from the small model's measured all-resident step
-time so that its ρ equals the profile's. Derivations (sources and arithmetic) are in docs/profiles.md.
+time so that its ρ equals the profile's. A profile also names the server's host CPU, which can
+compute a late expert from host memory instead of moving it; its simulated rate keeps the real
+ratio η = (host compute of one expert) / (transfer of one expert). Derivations (sources and
+arithmetic) are in docs/profiles.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specter.config import HostConfig
+
 GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Host:
+    """A server's host CPU computing one expert: memory-bound at a few tokens.
+
+    Attributes:
+        bytes_per_s: DRAM bandwidth a batch-1 expert GEMV achieves (peak × efficiency).
+        flops_per_s: fp32 throughput an expert GEMM achieves once it is compute-bound.
+        latency: per-expert fixed cost (activations over PCIe both ways, synchronisation, dispatch).
+    """
+
+    name: str
+    bytes_per_s: float
+    flops_per_s: float
+    latency: float = 50e-6
+
+    def expert_s(self, expert_bytes: float, flops_per_token: float, tokens: int = 1) -> float:
+        return HostConfig(self.bytes_per_s, self.flops_per_s, self.latency).expert_s(expert_bytes, flops_per_token, tokens)
+
+
+# AMD EPYC 7763 (A100 servers): 8 × DDR4-3200 = 204.8 GB/s peak, 0.5 achieved by a bf16 GEMV;
+# 64 cores × 2.45 GHz × 32 fp32 flops/cycle (AVX2, 2 FMA pipes) = 5.0 TFLOPS, 0.3 achieved.
+EPYC_7763 = Host("AMD EPYC 7763, 8x DDR4-3200", 0.5 * 204.8 * GB, 0.3 * 5.0 * TFLOPS)
+# Intel Xeon Platinum 8480+ (H100 servers): 8 × DDR5-4800 = 307.2 GB/s peak, 0.5 achieved;
+# 56 cores × 2.0 GHz × 64 fp32 flops/cycle (AVX-512, 2 FMA pipes) = 7.2 TFLOPS, 0.3 achieved.
+XEON_8480 = Host("Intel Xeon Platinum 8480+, 8x DDR5-4800", 0.5 * 307.2 * GB, 0.3 * 7.2 * TFLOPS)
 
 
 @dataclass(frozen=True)
@@ -32,7 +65,9 @@ class Profile:
     experts_per_token: int
     active_bytes: float
     hbm_bytes_per_s: float
+    host: Host = EPYC_7763
     efficiency: float = 0.7
+    bytes_per_param: int = 2
 
     @property
     def miss_s(self) -> float:
@@ -52,6 +87,50 @@ class Profile:
         """The simulated link's bandwidth giving the CPU model this profile's ρ."""
         return bytes_per_token / (self.rho * cpu_step_s)
 
+    @property
+    def expert_flops(self) -> float:
+        """Flops of one expert on one token (a multiply-add per weight)."""
+        return 2 * self.expert_bytes / self.bytes_per_param
+
+    @property
+    def link_expert_s(self) -> float:
+        """Seconds to move one expert."""
+        return self.expert_bytes / self.link_bytes_per_s
+
+    def host_expert_s(self, tokens: int = 1) -> float:
+        """Seconds for the host CPU to compute one expert on ``tokens`` tokens."""
+        return self.host.expert_s(self.expert_bytes, self.expert_flops, tokens)
+
+    @property
+    def eta(self) -> float:
+        """Host compute of one expert (one token) over its transfer: < 1 means computing is cheaper."""
+        return self.host_expert_s(1) / self.link_expert_s
+
+    @property
+    def rho_host(self) -> float:
+        """A fully-missed token computed on the host, in all-resident decode steps."""
+        return self.experts_per_token * self.host_expert_s(1) / self.step_s
+
+    def sim_host(self, link_bytes_per_s: float, expert_bytes: float, expert_flops: float) -> HostConfig:
+        """The simulated host for a CPU model whose experts (``expert_bytes``, ``expert_flops`` per
+        token) move over a simulated link of ``link_bytes_per_s``.
+
+        Every real per-expert time is scaled by σ = (simulated transfer of the CPU model's expert) /
+        (real transfer of the real expert), the factor the link's ρ already applies, so host compute
+        and transfer keep the real machine's ratio at every token count.
+        """
+        sigma = (expert_bytes / link_bytes_per_s) / self.link_expert_s
+        return HostConfig(
+            bytes_per_s=self.host.bytes_per_s * expert_bytes / self.expert_bytes / sigma,
+            flops_per_s=self.host.flops_per_s * expert_flops / self.expert_flops / sigma,
+            latency=self.host.latency * sigma,
+        )
+
+    def host_relative_to(self, link_bytes_per_s: float, latency: float = 0.0) -> HostConfig:
+        """A host for any link when no profile is given: this profile's host rates per link rate."""
+        ratio = link_bytes_per_s / self.link_bytes_per_s
+        return HostConfig(self.host.bytes_per_s * ratio, self.host.flops_per_s * ratio, latency)
+
 
 _MIXTRAL_EXPERT = 3 * 4096 * 14336 * 2
 _MIXTRAL_ACTIVE = 12.9e9 * 2
@@ -66,10 +145,12 @@ PROFILES: dict[str, Profile] = {
         Profile("mixtral-pcie4", "Mixtral-8x7B fp16, A100-40GB (1.56 TB/s), PCIe 4.0 x16 25 GB/s",
                 25 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 1.555e12),
         Profile("mixtral-pcie5", "Mixtral-8x7B fp16, H100 PCIe (2.0 TB/s), PCIe 5.0 x16 50 GB/s",
-                50 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 2.0e12),
+                50 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 2.0e12, XEON_8480),
         Profile("dsv2lite-pcie4", "DeepSeek-V2-Lite bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
                 25 * GB, _DSV2L_EXPERT, 6 * 26, _DSV2L_ACTIVE, 1.555e12),
         Profile("qwen2moe-pcie4", "Qwen1.5-MoE-A2.7B bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
                 25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12),
     )
 }
+
+DEFAULT_HOST_PROFILE = "mixtral-pcie4"  # whose host-to-link ratio a plain simulated link gets

@@ -6,19 +6,27 @@ the link brings the missing ones; each late expert runs the moment it lands, and
 then be reused by the next one, so a pass that needs more experts than there are slots (prefill,
 a long verify window) streams them through. Outputs are summed in ascending expert order, as
 transformers' eager loop does, so results do not depend on arrival order.
+
+When the policy allows it (``Policy.host_compute``) and a host is set, a late expert whose
+transfer would land after the host could finish computing it is computed on the host from its
+store blob instead, while the device runs the rest; the layer ends when both are done
+(``specter/experts/host.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specter.experts.link import DEMAND, Link, Transfer
+from specter.config import HostConfig
+from specter.experts.host import HostCompute
+from specter.experts.link import DEMAND, PREFETCH, Link, SimulatedLink, Transfer
 from specter.experts.slots import ChooseVictim, Key, SlotPool
-from specter.experts.store import ExpertStore
+from specter.experts.store import ExpertShape, ExpertStore
 from specter.plan.base import Policy
 from specter.stats import OffloadCounters
 
@@ -35,7 +43,12 @@ class OffloadedExperts:
         self.counters = OffloadCounters()
         self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
         self.on_cuda = pool.storage.is_cuda
+        self.host: HostCompute | None = default_host(link, store.shape, self.on_cuda)
         policy.bind(self)
+
+    def set_host(self, config: HostConfig | None) -> None:
+        """The host's compute rate (None: no host compute); a profile sets it (``docs/profiles.md``)."""
+        self.host = None if config is None or self.on_cuda else HostCompute(config, self.store.shape)
 
     # -- moving experts -------------------------------------------------------------------
     def fetch(
@@ -101,7 +114,8 @@ class OffloadedExperts:
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Same result as transformers' eager experts loop, with experts taken from slots."""
+        """Same result as transformers' eager experts loop, with experts taken from slots (or, for
+        late ones when the policy allows it, computed on the host from their blobs)."""
         needed = sorted(set(top_k_index.flatten().tolist()))
         self.last_routing[layer] = top_k_index
         self.counters.layers += 1
@@ -109,6 +123,11 @@ class OffloadedExperts:
         keys = [(layer, e) for e in needed]
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         ready, pending, missing = self._classify(keys)
+        on_host = self._split_host(pending, missing, top_k_index)
+        for key in pending:
+            self.link.promote(self.pool.loading[key])
+        for key in on_host:  # the host works alongside the device: its deadline runs from now
+            outputs[key[1]] = self._run_host(module, key, hidden, top_k_index, top_k_weights)
         protect = set(keys)
         queue = deque(missing)
         self._issue(queue, pending, protect)
@@ -127,6 +146,8 @@ class OffloadedExperts:
             outputs[key[1]] = self._run(module, key, hidden, top_k_index, top_k_weights)
             protect.discard(key)
             self._issue(queue, pending, protect)
+        if on_host:
+            self._finish_host(on_host)
         final = torch.zeros_like(hidden)
         for e in needed:
             final.index_add_(0, *outputs[e])
@@ -143,7 +164,6 @@ class OffloadedExperts:
                 ready.append(key)
             elif self.pool.is_loading(key):
                 self.counters.inflight += 1
-                self.link.promote(self.pool.loading[key])
                 pending.append(key)
             else:
                 self.counters.misses += 1
@@ -152,6 +172,69 @@ class OffloadedExperts:
             self.pool.pin(key)
             self.pool.touch(key)
         return ready, pending, missing
+
+    # -- host compute of late experts -------------------------------------------------------
+    def _split_host(self, pending: deque[Key], missing: list[Key], top_k_index: torch.Tensor) -> list[Key]:
+        """Take out of ``pending``/``missing`` the experts the host would finish before they land.
+
+        Walks the late experts in order, keeping two clocks: when the link would land each one
+        (behind the transfer moving now and the late ones kept on the link before it) and when the
+        host would finish it (behind the ones given to the host before it). An expert goes to the
+        host when the host's clock is earlier.
+        """
+        host = self.host
+        if host is None or not self.policy.host_compute or not (pending or missing):
+            return []
+        now = time.perf_counter()
+        link_t, host_t = self.link.free_at(now), max(now, host.free_at)
+        nbytes = self.store.shape.nbytes
+        chosen: list[Key] = []
+        for key in [*pending, *missing]:
+            transfer = self.pool.loading.get(key)
+            landed = self.link.landing(transfer, now) if transfer is not None else None
+            eta = landed if landed is not None else link_t + self.link.estimate_s(nbytes)
+            done = host_t + host.expert_s(_tokens(top_k_index, key[1]))
+            if done < eta:
+                chosen.append(key)
+                host_t = done
+            elif landed is None:
+                link_t = eta
+        for key in chosen:
+            self._to_host(key, pending, missing)
+        return chosen
+
+    def _to_host(self, key: Key, pending: deque[Key], missing: list[Key]) -> None:
+        """Drop ``key`` from the link's work for this layer; a queued prefetch of it is cancelled
+        unless the policy keeps host-computed experts coming for later."""
+        if key in missing:
+            missing.remove(key)
+            return
+        pending.remove(key)
+        self.pool.unpin(key)
+        if not self.policy.fetch_after_host:
+            self.cancel(key)
+
+    def _run_host(
+        self, module: Any, key: Key, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert computed on the host from its blob: the slot path's math on the same bytes."""
+        assert self.host is not None
+        gate_up, down = self.store.shape.split(self.store.blob(*key))
+        self.host.start(_tokens(top_k_index, key[1]), time.perf_counter())
+        return _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
+
+    def _finish_host(self, on_host: list[Key]) -> None:
+        """The layer ends when the host is done too; then, if the policy wants them, the
+        host-computed experts are fetched for later (behind every demand transfer)."""
+        assert self.host is not None
+        if getattr(self.link, "timed", True):
+            self.host.finish()
+        if not self.policy.fetch_after_host:
+            return
+        for key in on_host:
+            if key not in self.pool.where:
+                self.fetch(key, PREFETCH, set())
 
     def _land_one(self, layer: int, waiting: Key) -> None:
         """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""
@@ -176,15 +259,40 @@ class OffloadedExperts:
         top_k_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert on its tokens, exactly as the eager loop computes it; then unpin its slot."""
-        expert = key[1]
-        top_k_pos, token_idx = torch.where((top_k_index == expert).T)
         gate_up, down = self.pool.view(key)
-        gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
-        out = F.linear(module.act_fn(gate) * up, down)
-        out = (out * top_k_weights[token_idx, top_k_pos, None]).to(hidden.dtype)
+        out = _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
         event = None
         if self.on_cuda:
             event = torch.cuda.Event()
             event.record()
         self.pool.unpin(key, event)
-        return token_idx, out
+        return out
+
+
+def _expert(
+    module: Any, expert: int, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token rows, weighted output) of one expert, as transformers' eager experts loop computes it."""
+    top_k_pos, token_idx = torch.where((top_k_index == expert).T)
+    gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
+    out = F.linear(module.act_fn(gate) * up, down)
+    return token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(hidden.dtype)
+
+
+def _tokens(top_k_index: torch.Tensor, expert: int) -> int:
+    """How many token rows of the pass are routed to ``expert``."""
+    return int((top_k_index == expert).sum())
+
+
+def default_host(link: Link, shape: ExpertShape, on_cuda: bool) -> HostCompute | None:
+    """Host compute for a simulated link with no profile: the default profile's host-to-link ratio.
+
+    None on a GPU (the host path would run synchronously on the compute stream; not done yet) and
+    over links that move blobs elsewhere (the host blobs are not in this process).
+    """
+    if on_cuda or not isinstance(link, SimulatedLink):
+        return None
+    from specter.profiles import DEFAULT_HOST_PROFILE, PROFILES
+
+    return HostCompute(PROFILES[DEFAULT_HOST_PROFILE].host_relative_to(link.bandwidth, link.latency), shape)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 DEMAND, PREFETCH = 0, 1
+_PRIOR_BYTES_PER_S = 12e9  # before anything has moved: PCIe 4.0 x16 in practice, pageable
 
 
 class LinkError(RuntimeError):
@@ -38,6 +39,7 @@ class Transfer:
     wait_for: Any = field(default=None, repr=False)
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False
+    started_at: float = 0.0
     cancelled: bool = False
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -65,6 +67,7 @@ class Link:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
+        self._current: Transfer | None = None  # the transfer being moved now
         self._thread = threading.Thread(target=self._run, name=f"specter-{self.name}", daemon=True)
         self._thread.start()
 
@@ -96,6 +99,26 @@ class Link:
             transfer.cancelled = True
             return True
 
+    def estimate_s(self, nbytes: int) -> float:
+        """Seconds one transfer of ``nbytes`` takes: the bandwidth measured so far, else a prior."""
+        rate = self.bytes_moved / self.busy_s if self.busy_s > 0 else _PRIOR_BYTES_PER_S
+        return nbytes / rate
+
+    def free_at(self, now: float) -> float:
+        """When the transfer moving now (if any) is expected to land; queued ones come after it."""
+        current = self._current
+        if current is None or current.done.is_set():
+            return now
+        return max(now, current.started_at + self.estimate_s(current.nbytes))
+
+    def landing(self, transfer: Transfer, now: float) -> float | None:
+        """When a started transfer is expected to land (None if it has not started)."""
+        if transfer.done.is_set():
+            return now
+        if not transfer.started:
+            return None
+        return max(now, transfer.started_at + self.estimate_s(transfer.nbytes))
+
     def queued(self) -> int:
         with self._cond:
             return sum(1 for _, _, t in self._heap if not (t.started or t.cancelled))
@@ -113,6 +136,8 @@ class Link:
                     _, _, transfer = heapq.heappop(self._heap)
                     if not (transfer.started or transfer.cancelled):
                         transfer.started = True
+                        transfer.started_at = time.perf_counter()
+                        self._current = transfer
                         return transfer
                 if self._closed:
                     return None
@@ -153,6 +178,10 @@ class SimulatedLink(Link):
         self.latency = float(latency)
         self.timed = True  # False: copies complete at memcpy speed (untimed phases of a benchmark)
         super().__init__()
+
+    def estimate_s(self, nbytes: int) -> float:
+        """Exactly the simulated time (0 while untimed)."""
+        return self.latency + nbytes / self.bandwidth if self.timed else 0.0
 
     def _move(self, transfer: Transfer) -> None:
         t0 = time.perf_counter()

@@ -1,9 +1,15 @@
-"""Prefetch policies behind one interface (``Policy``); ``make_policy`` builds one by name."""
+"""Prefetch policies behind one interface (``Policy``); ``make_policy`` builds one by name.
+
+A name may carry options after ``+``: ``host`` / ``nohost`` turn host compute of late experts on
+or off, ``fetch`` also moves a host-computed expert into a slot for later (implies ``host``),
+``nofetch`` does not; ``nolast`` skips the extra draft forward that routes the K-th token. E.g. ``specter+nohost`` is ``specter`` as it was before host compute,
+``specter-paper+host`` the released algorithm with it.
+"""
 
 from __future__ import annotations
 
 from specter.plan.base import Policy
-from specter.plan.demand_lru import DemandLRU
+from specter.plan.demand_lru import DemandHost, DemandLRU
 from specter.plan.gate_prefetch import GatePrefetch
 from specter.plan.oracle import Oracle
 from specter.plan.specmoeoff import SpecMoEOff
@@ -11,13 +17,35 @@ from specter.plan.specter import Specter
 from specter.plan.specter_paper import SpecterPaper
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (DemandLRU, GatePrefetch, SpecMoEOff, SpecterPaper, Specter, Oracle)
+    cls.name: cls for cls in (DemandLRU, DemandHost, GatePrefetch, SpecMoEOff, SpecterPaper, Specter, Oracle)
 }
 DRAFT_POLICIES = {SpecMoEOff.name, SpecterPaper.name, Specter.name, Oracle.name}
+OPTIONS = {"host": {"host_compute": True}, "nohost": {"host_compute": False, "fetch_after_host": False},
+           "fetch": {"host_compute": True, "fetch_after_host": True}, "nofetch": {"fetch_after_host": False},
+           "nolast": {"route_last_draft": False}}
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class behind a policy name (options after ``+`` checked too), or an error naming the known ones."""
+    base, *options = name.split("+")
+    if base not in POLICIES:
+        raise ValueError(f"policy: unknown policy {base!r}; known: {', '.join(sorted(POLICIES))}")
+    bad = [o for o in options if o not in OPTIONS]
+    if bad:
+        raise ValueError(f"policy: unknown option {bad[0]!r} in {name!r}; known: {', '.join(OPTIONS)}")
+    return POLICIES[base]
+
+
+def drafts(name: str) -> bool:
+    """Whether the policy ``name`` (options allowed) runs a draft."""
+    return name.split("+")[0] in DRAFT_POLICIES
 
 
 def make_policy(name: str) -> Policy:
-    """A fresh policy by name, or an error naming the known ones."""
-    if name not in POLICIES:
-        raise ValueError(f"policy: unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return POLICIES[name]()
+    """A fresh policy by name (with its ``+`` options applied), or an error naming the known ones."""
+    policy = policy_class(name)()
+    for option in name.split("+")[1:]:
+        for attr, value in OPTIONS[option].items():
+            setattr(policy, attr, value)
+    policy.name = name
+    return policy

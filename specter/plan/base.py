@@ -22,6 +22,8 @@ class Policy:
     name = "base"
     default_window = 0  # draft tokens per round when the user gives none (0: plain decoding)
     route_last_draft = False  # ask the engine for one more draft forward to route the K-th token
+    host_compute = False  # a late expert is computed on the host when that finishes before it lands
+    fetch_after_host = False  # an expert computed on the host is still moved into a slot, for later
 
     def __init__(self) -> None:
         self.offload: OffloadedExperts | None = None

@@ -9,6 +9,9 @@ missing expert; the slot given up is the one whose next predicted use is furthes
 * Demand misses go ahead of every prefetch (the link's priority queue). When a layer's true
   routing is known, queued prefetches for that layer's unneeded experts are cancelled, and the
   schedule is refilled so the link is never idle while a predicted expert is missing.
+* Host compute: an expert the link would bring later than the host could compute it is computed
+  on the host (its queued prefetch cancelled), so the link spends itself on experts that arrive
+  in time (``docs/benchmark.md`` measures fetching it for later as well: ``specter+fetch``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Specter(Policy):
     name = "specter"
     default_window = 4
     route_last_draft = True
+    host_compute = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -11,6 +11,10 @@ greedy continuation), so every position has the same context on both sides. Meas
 * **mean accepted length**: accepted draft tokens per round of greedy speculation through
   ``specter.engine.Engine`` (pooled: all accepted tokens / all rounds).
 
+Beside them (not part of the AWQ-vs-RTN verdict): the draft's relative logit error
+``‖z_draft − z_target‖ / ‖z_target‖`` and the mean KL divergence of the draft's next-token
+distribution from the target's, pooled over the scored positions.
+
 Routing is scored at the positions of the generated tokens (the ones a decode step processes),
 next-token agreement at the positions that predict them.
 """
@@ -92,6 +96,9 @@ class FidelityTally:
     recall: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # K -> layer -> [sum, windows]
     token_hits: int = 0
     tokens: int = 0
+    logit_err: float = 0.0  # Σ ‖z_d − z_t‖² over scored positions
+    logit_ref: float = 0.0  # Σ ‖z_t‖²
+    kl: float = 0.0  # Σ KL(p_t ‖ p_d)
 
     def add(
         self,
@@ -124,6 +131,16 @@ class FidelityTally:
         t_tok = target_logits.reshape(-1, target_logits.shape[-1])[logit_positions].argmax(-1)
         self.token_hits += int((d_tok.cpu() == t_tok.cpu()).sum())
         self.tokens += t_tok.numel()
+        self.add_logit_error(draft_logits, target_logits, logit_positions)
+
+    def add_logit_error(self, draft_logits: torch.Tensor, target_logits: torch.Tensor, positions: slice) -> None:
+        """Accumulate the relative-logit-error and KL sums over ``positions`` of (T, V) logits."""
+        d = draft_logits.reshape(-1, draft_logits.shape[-1])[positions].double().cpu()
+        t = target_logits.reshape(-1, target_logits.shape[-1])[positions].double().cpu()
+        self.logit_err += float((d - t).pow(2).sum())
+        self.logit_ref += float(t.pow(2).sum())
+        log_t, log_d = t.log_softmax(-1), d.log_softmax(-1)
+        self.kl += float((log_t.exp() * (log_t - log_d)).sum())
 
     def summary(self) -> dict[str, Any]:
         """Per-layer and pooled fractions (NaN where nothing was counted)."""
@@ -146,6 +163,8 @@ class FidelityTally:
             "recall": recall,
             "recall_per_layer": recall_layer,
             "next_token": _frac(self.token_hits, self.tokens),
+            "logit_rel_err": math.sqrt(_frac(self.logit_err, self.logit_ref)) if self.logit_ref else math.nan,
+            "kl": _frac(self.kl, self.tokens),
             "positions": next(iter(self.set_hits.values()))[1] if self.set_hits else 0,
             "tokens": self.tokens,
         }
@@ -215,6 +234,21 @@ def measure_teacher_forced(
     return tallies
 
 
+@torch.inference_mode()
+def logit_error_on_text(model: Any, draft: TeacherForced, ids: Sequence[int], chunk: int = 512) -> dict[str, float]:
+    """Relative logit error and mean KL of ``draft`` against the HF ``model`` over ``ids`` (e.g.
+    the calibration text), run in independent chunks of ``chunk`` tokens."""
+    tally = FidelityTally(())
+    for start in range(0, len(ids), chunk):
+        part = list(ids[start : start + chunk])
+        out = model(input_ids=torch.tensor([part], device=model.device), use_cache=False)
+        d_logits, _ = draft_pass(draft, part)
+        tally.add_logit_error(d_logits, out.logits[0].float().cpu(), slice(None))
+        tally.tokens += len(part)
+    return {"logit_rel_err": math.sqrt(_frac(tally.logit_err, tally.logit_ref)), "kl": _frac(tally.kl, tally.tokens),
+            "tokens": tally.tokens}
+
+
 def merge(tallies: Iterable[FidelityTally]) -> FidelityTally:
     """The sum of several tallies (same windows)."""
     out: FidelityTally | None = None
@@ -232,6 +266,9 @@ def merge(tallies: Iterable[FidelityTally]) -> FidelityTally:
                 racc[1] += windows
         out.token_hits += t.token_hits
         out.tokens += t.tokens
+        out.logit_err += t.logit_err
+        out.logit_ref += t.logit_ref
+        out.kl += t.kl
     if out is None:
         raise ValueError("merge: no tallies")
     return out

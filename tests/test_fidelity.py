@@ -151,7 +151,11 @@ def test_script_end_to_end_writes_table_json_and_report(tiny_dir, tmp_path, caps
     assert set(result["prompt_rows"]["rtn"]) == {k for k in rows["rtn"] if not k.startswith("accepted")}
     assert rows["rtn"]["next_token"] < 1.0 and rows["int8"]["topk_set_mean"] > 0.9
     report = out.read_text()
-    assert "python scripts/fidelity.py --model" in report and report.count("| rtn |") == 2
+    assert "python scripts/fidelity.py --model" in report and report.count("| rtn |") == 3  # 2 tables + errors
+    fp, rtn = result["methods"]["fp"], result["methods"]["rtn"]
+    assert fp["calibration_text"]["tokens"] > 0 and fp["calibration_text"]["logit_rel_err"] < 1e-5
+    assert fp["summary"]["logit_rel_err"] < 1e-5 and fp["summary"]["kl"] < 1e-8
+    assert rtn["calibration_text"]["logit_rel_err"] > 1e-4 and rtn["prompt_region"]["kl"] > 0
     assert (tmp_path / "work" / f"{folder.name}-rtn" / "draft_report.json").is_file()
 
 

@@ -1,32 +1,46 @@
 """Activation-aware weight quantization (AWQ) of routed experts, plus RTN int4 and int8.
 
 For one expert, AWQ looks at the inputs that expert really receives (the tokens routed to it;
-for ``down`` the intermediate ``act(gate(x)) * up(x)``). Input channels with large mean
-magnitude matter most to the output, so the weight's columns are multiplied by
-``s = mean(|x|)^α`` before group-wise int4 rounding: those columns then get relatively finer
-steps. The runtime divides the activation by ``s`` (``y = Q(W·s) (x / s)``), which equals
-``x · (Q(W·s) / s)ᵀ``. ``α`` is picked from a grid in [0, 1] by the output error
-``‖x Wᵀ − x (Q(W·s)/s)ᵀ‖²`` on the recorded inputs; α = 0 is plain round-to-nearest (RTN), so
-AWQ's calibration error is never above RTN's.
+for ``down`` the intermediate ``act(gate(x)) * up(x)``) and the router weight each of those
+tokens gives the expert's output. Two searches, as in the AWQ paper and AutoAWQ:
 
-Gate and up share their input, hence one ``s``; ``down`` gets its own. Experts that received no
-calibration token fall back to RTN and are counted. See docs/draft.md for why ``s`` is stored
-as an extra tensor instead of being folded into a neighbouring op.
+1. **Scale.** Input channels with large mean magnitude matter most to the output, so the
+   weight's columns are multiplied by ``s`` before group-wise int4 rounding: those columns then
+   get relatively finer steps. The runtime divides the activation by ``s``
+   (``y = Q(W·s) (x / s)``). Candidates: ``s = mean(|x|)^α`` and the "duo" form
+   ``s = mean(|x|)^α / mean(|Ŵ|)^(1-α)`` (``Ŵ``: each weight over its group's max magnitude),
+   α on a grid in [0, 1]; no scale at all (RTN) is always a candidate.
+2. **Clipping** (``specter.draft.clip``): per (output row, group), the quantization range is
+   shrunk to ``r·[min, max]`` with ``r`` from 1.0 down to 0.5, whichever gives that row's
+   output on the recorded inputs the lowest error.
+
+The loss both searches answer to is the error of what the layer adds to the residual stream:
+for gate and up (one shared ``s``, they see the same input) the **expert's output**
+``down(act(gate x) · up x)`` with gate and up quantized; for ``down`` its own output. Each
+token's squared error is weighted by the square of its router weight (the factor the expert's
+output is multiplied by). Every candidate, and the clipped weight, is kept only if it lowers
+that loss, so AWQ's calibration loss is never above RTN's.
+
+Experts that received no calibration token fall back to RTN and are counted. See docs/draft.md
+for why ``s`` is stored as an extra tensor instead of being folded into a neighbouring op.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from specter.draft.clip import clip_ratios, search_clip
 from specter.draft.qweight import QuantWeight, choose_group_size, quantize_weight
 
 log = logging.getLogger(__name__)
 
 METHODS = ("awq", "rtn", "int8")
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -34,17 +48,25 @@ class QuantSpec:
     """How experts are quantized.
 
     Attributes:
-        method: ``awq`` (int4 + activation-aware scales), ``rtn`` (int4 round-to-nearest),
-            ``int8`` (per-output-channel asymmetric int8).
+        method: ``awq`` (int4 + activation-aware scales and clipping), ``rtn`` (int4
+            round-to-nearest), ``int8`` (per-output-channel asymmetric int8).
         group_size: requested int4 group size (falls back per input dim, see ``choose_group_size``).
-        grid: number of α values tried in [0, 1] by AWQ.
+        grid: number of α values tried in [0, 1] by AWQ's scale search.
         scale_dtype: dtype the quantization scales are stored in (the model dtype).
+        duo: also try the weight-magnitude ("duo") form of the scale.
+        clip_grid: clipping ratios tried from 1.0 down to ``clip_min`` (1: no clipping search).
+        clip_min: the smallest clipping ratio, in (0, 1].
+        router_weighted: weight each token's error by its squared router weight.
     """
 
     method: str = "awq"
     group_size: int = 128
     grid: int = 20
     scale_dtype: torch.dtype = torch.float32
+    duo: bool = True
+    clip_grid: int = 11
+    clip_min: float = 0.5
+    router_weighted: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,6 +75,10 @@ class QuantSpec:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size}")
         if self.grid < 2:
             raise ValueError(f"grid must be at least 2 (α = 0 and α = 1), got {self.grid}")
+        if self.clip_grid < 1:
+            raise ValueError(f"clip_grid must be a positive integer, got {self.clip_grid}")
+        if not 0.0 < self.clip_min <= 1.0:
+            raise ValueError(f"clip_min must lie in (0, 1], got {self.clip_min}")
 
     @property
     def num_bits(self) -> int:
@@ -61,6 +87,27 @@ class QuantSpec:
     def group_for(self, in_dim: int) -> int:
         """Group size used for an input dim (int8 is per channel: one group per row)."""
         return in_dim if self.method == "int8" else choose_group_size(in_dim, self.group_size)
+
+
+@dataclass
+class Searched:
+    """The outcome of AWQ's searches for one weight.
+
+    Attributes:
+        quant: the quantized weight.
+        error: its loss on the calibration inputs.
+        alpha: the chosen α (0 with ``scaled`` False: no AWQ scale).
+        duo: the scale has the weight-magnitude term.
+        clip: mean clipping ratio over (row, group) (1.0: no clipping).
+        rtn_error: the loss of plain RTN on the same inputs.
+    """
+
+    quant: QuantWeight
+    error: float
+    alpha: float = 0.0
+    duo: bool = False
+    clip: float = 1.0
+    rtn_error: float = 0.0
 
 
 @dataclass
@@ -73,6 +120,10 @@ class QuantExpert:
         fallback: AWQ was asked for but the expert got no calibration token (so RTN).
         tokens: calibration tokens the quantization used for this expert.
         mse_gate_up, mse_down: output mean squared error on those tokens (None without tokens).
+        duo_gate_up, duo_down: the chosen scale has the weight-magnitude term.
+        clip_gate_up, clip_down: mean clipping ratio (None unless AWQ ran).
+        out_err, out_ref: router-weighted ``Σ ‖y − ŷ‖²`` and ``Σ ‖y‖²`` of the expert's output
+            with all three projections quantized, over its calibration tokens.
     """
 
     gate: QuantWeight
@@ -84,42 +135,157 @@ class QuantExpert:
     tokens: int = 0
     mse_gate_up: float | None = None
     mse_down: float | None = None
+    duo_gate_up: bool = False
+    duo_down: bool = False
+    clip_gate_up: float | None = None
+    clip_down: float | None = None
+    out_err: float = 0.0
+    out_ref: float = 0.0
 
 
-def output_error(weight: torch.Tensor, effective: torch.Tensor, x: torch.Tensor) -> float:
-    """Mean squared error of ``x Wᵀ`` against ``x W_effᵀ`` over all outputs of all tokens."""
-    diff = weight.float() - effective.float()
-    x = x.float()
+def output_error(
+    weight: torch.Tensor, effective: torch.Tensor, x: torch.Tensor, token_weight: torch.Tensor | None = None
+) -> float:
+    """Mean squared error of ``x Wᵀ`` against ``x W_effᵀ`` over all outputs of all tokens; with
+    ``token_weight`` (n,), each token's squared error is weighted (weights normalised to mean 1)."""
+    diff = weight.double() - effective.double()
+    x = x.double()
+    if token_weight is not None:
+        x = x * (token_weight.double() / token_weight.double().mean().clamp(min=1e-30)).sqrt().unsqueeze(-1)
     if x.shape[0] > x.shape[1]:
         # Fewer flops through the Gram matrix when there are more tokens than input channels.
-        gram = x.double().T @ x.double()
-        total = ((diff.double() @ gram) * diff.double()).sum()
+        gram = x.T @ x
+        total = ((diff @ gram) * diff).sum()
     else:
-        total = (x @ diff.T).double().pow(2).sum()
+        total = (x @ diff.T).pow(2).sum()
     return float(total) / (x.shape[0] * weight.shape[0])
 
 
-def awq_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``s = mean(|x|)^α`` per input channel, normalised so that max·min = 1 (numerics only:
-    min-max group quantization is invariant to a global factor on ``s``)."""
-    s = x.float().abs().mean(dim=0).pow(alpha).clamp(min=1e-4)
+class ExpertLoss:
+    """The router-weighted output error of one expert when gate and up are replaced.
+
+    ``y = down(act(gate x) · up x)`` is computed once in full precision; ``__call__`` returns the
+    weighted mean squared error of ``y`` when ``gate_up`` is replaced by a quantized one.
+    """
+
+    def __init__(
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        x: torch.Tensor,
+        token_weight: torch.Tensor | None,
+        act: Activation,
+    ):
+        self.x, self.down, self.act = x.float(), down.float(), act
+        n = x.shape[0]
+        self.w = torch.ones(n) if token_weight is None else token_weight.float() / token_weight.float().mean()
+        self.y = self.output(gate_up.float())
+
+    def output(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self.x, gate_up).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down)
+
+    def __call__(self, quant: QuantWeight) -> float:
+        diff = (self.output(quant.dequantize()) - self.y).double().pow(2).sum(-1)
+        return float((diff * self.w.double()).sum()) / (self.x.shape[0] * self.y.shape[1])
+
+
+def _weight_magnitude(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per input channel: the mean over rows of ``|W|`` relative to its group's max magnitude."""
+    out, inp = weight.shape
+    groups = weight.float().abs().view(out, inp // group_size, group_size)
+    return (groups / groups.amax(dim=-1, keepdim=True).clamp(min=1e-12)).view(out, inp).mean(dim=0)
+
+
+def awq_scale(x: torch.Tensor, alpha: float, weight_mag: torch.Tensor | None = None) -> torch.Tensor:
+    """``s = mean(|x|)^α`` (or ``/ weight_mag^(1-α)``, the duo form) per input channel,
+    normalised so that max·min = 1 (numerics only: min-max group quantization is invariant to a
+    global factor on ``s``)."""
+    s = x.float().abs().mean(dim=0).pow(alpha)
+    if weight_mag is not None:
+        s = s / weight_mag.clamp(min=1e-4).pow(1.0 - alpha)
+    s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
 
 
-def search_scale(
+def scale_candidates(
     weight: torch.Tensor, x: torch.Tensor, spec: QuantSpec, group_size: int
-) -> tuple[float, QuantWeight, float]:
-    """Grid-search α; return (α, the quantized weight for it, its output MSE on ``x``)."""
-    best: tuple[float, QuantWeight, float] | None = None
-    for alpha in torch.linspace(0.0, 1.0, spec.grid).tolist():
-        # α = 0 is RTN: store no scale at all then, so RTN and AWQ-at-0 are the same bytes.
-        s = awq_scale(x, alpha) if alpha > 0 else None
+) -> Iterator[tuple[float, bool, torch.Tensor | None]]:
+    """``(α, duo, s)`` for every scale AWQ tries; the first is RTN (no scale)."""
+    alphas = torch.linspace(0.0, 1.0, spec.grid).tolist()
+    yield 0.0, False, None
+    for alpha in alphas[1:]:
+        yield alpha, False, awq_scale(x, alpha)
+    if spec.duo:
+        magnitude = _weight_magnitude(weight, group_size)
+        for alpha in alphas[:-1]:  # α = 1 has no weight term: the plain scale, tried above
+            yield alpha, True, awq_scale(x, alpha, magnitude)
+
+
+def search_scale(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    spec: QuantSpec,
+    group_size: int,
+    loss: Callable[[QuantWeight], float] | None = None,
+    token_weight: torch.Tensor | None = None,
+) -> Searched:
+    """Try every scale candidate; keep the one with the lowest ``loss`` (default: the weighted
+    output error of this weight on ``x``). RTN comes first and wins ties, so no scale is stored
+    unless one lowers the loss."""
+    if loss is None:
+        loss = lambda q: output_error(weight, q.dequantize(), x, token_weight)  # noqa: E731
+    best: Searched | None = None
+    for alpha, duo, s in scale_candidates(weight, x, spec, group_size):
         quant = quantize_weight(weight, spec.num_bits, group_size, spec.scale_dtype, s)
-        err = output_error(weight, quant.dequantize(), x)
-        if best is None or err < best[2]:
-            best = (alpha, quant, err)
-    assert best is not None  # the grid has at least two points (QuantSpec checks)
+        err = loss(quant)
+        if best is None:
+            best = Searched(quant, err, rtn_error=err)
+        elif err < best.error:
+            best = Searched(quant, err, alpha, duo, rtn_error=best.rtn_error)
+    assert best is not None  # RTN is always a candidate
     return best
+
+
+def apply_clip(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    token_weight: torch.Tensor | None,
+    chosen: Searched,
+    spec: QuantSpec,
+    loss: Callable[[QuantWeight], float],
+) -> Searched:
+    """AWQ's clipping search on top of the chosen scale; the clipped weight replaces ``chosen``
+    only if it lowers ``loss`` (so clipping never raises the calibration loss)."""
+    ratios = clip_ratios(spec.clip_grid, spec.clip_min)
+    if len(ratios) < 2:
+        return chosen
+    quant = chosen.quant
+    clip = search_clip(
+        weight, x, token_weight, quant.num_bits, quant.group_size, spec.scale_dtype, quant.awq_scale, ratios
+    )
+    if bool((clip == 1.0).all()):
+        return chosen
+    clipped = quantize_weight(weight, quant.num_bits, quant.group_size, spec.scale_dtype, quant.awq_scale, clip)
+    err = loss(clipped)
+    if err >= chosen.error:
+        return chosen
+    return Searched(clipped, err, chosen.alpha, chosen.duo, float(clip.mean()), chosen.rtn_error)
+
+
+def search_weight(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    token_weight: torch.Tensor | None,
+    spec: QuantSpec,
+    group_size: int,
+    loss: Callable[[QuantWeight], float] | None = None,
+) -> Searched:
+    """Scale search then clipping search for one (possibly fused) weight."""
+    if loss is None:
+        loss = lambda q: output_error(weight, q.dequantize(), x, token_weight)  # noqa: E731
+    chosen = search_scale(weight, x, spec, group_size, loss, token_weight)
+    return apply_clip(weight, x, token_weight, chosen, spec, loss)
 
 
 def quantize_expert(
@@ -128,6 +294,8 @@ def quantize_expert(
     x: torch.Tensor | None,
     h: torch.Tensor | None,
     spec: QuantSpec,
+    router_weight: torch.Tensor | None = None,
+    act: Activation = F.silu,
 ) -> QuantExpert:
     """Quantize one expert.
 
@@ -136,28 +304,54 @@ def quantize_expert(
         down: ``(H, I)``.
         x: ``(n, H)`` calibration inputs routed to this expert, or None.
         h: ``(n, I)`` the matching intermediate activations ``act(gate x) * up x``, or None.
-        spec: method, group size, α grid, scale dtype.
+        spec: method, group size, search grids, scale dtype.
+        router_weight: ``(n,)`` the router weight of each calibration token, or None (all 1).
+        act: the expert's activation (AWQ's gate/up loss runs the expert).
     """
     two_i, hidden = gate_up.shape
     if down.shape != (hidden, two_i // 2):
         raise ValueError(
             f"down has shape {tuple(down.shape)}, expected {(hidden, two_i // 2)} for gate_up {(two_i, hidden)}"
         )
-    g_in, g_mid = spec.group_for(hidden), spec.group_for(two_i // 2)
     if x is None or h is None or x.shape[0] == 0:
         return _round_to_nearest(gate_up, down, spec, fallback=spec.method == "awq")
+    squared = router_weight.float().pow(2) if router_weight is not None else None
+    weight = squared if spec.router_weighted else None
+    expert_loss = ExpertLoss(gate_up, down, x, weight, act)
     if spec.method != "awq":
         expert = _round_to_nearest(gate_up, down, spec, fallback=False)
-        expert.tokens = int(x.shape[0])
-        expert.mse_gate_up = output_error(
-            gate_up, torch.cat([expert.gate.dequantize(), expert.up.dequantize()]), x
+    else:
+        gu = search_weight(gate_up, x, weight, spec, spec.group_for(hidden), expert_loss)
+        dn = search_weight(down, h, weight, spec, spec.group_for(two_i // 2))
+        gate, up = split_rows(gu.quant, two_i // 2)
+        expert = QuantExpert(
+            gate, up, dn.quant, gu.alpha, dn.alpha, duo_gate_up=gu.duo, duo_down=dn.duo,
+            clip_gate_up=gu.clip, clip_down=dn.clip,
         )
-        expert.mse_down = output_error(down, expert.down.dequantize(), h)
-        return expert
-    alpha_gu, gate_up_q, mse_gu = search_scale(gate_up, x, spec, g_in)
-    alpha_down, down_q, mse_down = search_scale(down, h, spec, g_mid)
-    gate, up = split_rows(gate_up_q, two_i // 2)
-    return QuantExpert(gate, up, down_q, alpha_gu, alpha_down, False, int(x.shape[0]), mse_gu, mse_down)
+    _score(expert, gate_up, down, x, h, expert_loss, squared)
+    return expert
+
+
+def _score(
+    expert: QuantExpert,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    loss: ExpertLoss,
+    squared_weight: torch.Tensor | None,
+) -> None:
+    """Fill the report fields: per-projection MSE and the expert's output error, each token
+    weighted by its squared router weight (its share of the layer's output), whatever the spec."""
+    gate_up_q = torch.cat([expert.gate.dequantize(), expert.up.dequantize()])
+    expert.tokens = int(x.shape[0])
+    expert.mse_gate_up = output_error(gate_up, gate_up_q, x)
+    expert.mse_down = output_error(down, expert.down.dequantize(), h)
+    gate, up = F.linear(loss.x, gate_up_q).chunk(2, dim=-1)
+    approx = F.linear(loss.act(gate) * up, expert.down.dequantize())
+    w = torch.ones(x.shape[0], dtype=torch.float64) if squared_weight is None else squared_weight.double()
+    expert.out_err = float(((approx - loss.y).double().pow(2).sum(-1) * w).sum())
+    expert.out_ref = float((loss.y.double().pow(2).sum(-1) * w).sum())
 
 
 def _round_to_nearest(
@@ -173,7 +367,7 @@ def _round_to_nearest(
 def quantize_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    inputs: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    inputs: Sequence[tuple[torch.Tensor, ...] | None] | None = None,
     method: str = "awq",
     group_size: int = 128,
     grid: int = 20,
@@ -184,10 +378,11 @@ def quantize_experts(
     Args:
         gate_up: fused ``(E, 2I, H)`` tensor, or one expert's ``(2I, H)``.
         down: fused ``(E, H, I)``, or one expert's ``(H, I)``.
-        inputs: per expert ``(x, h)`` calibration inputs, or None where an expert has none.
+        inputs: per expert ``(x, h)`` or ``(x, h, router_weight)`` calibration inputs, or None
+            where an expert has none.
         method: ``awq`` | ``rtn`` | ``int8``.
         group_size: requested int4 group size.
-        grid: α grid points for AWQ.
+        grid: α grid points for AWQ (the other search settings: ``QuantSpec``'s defaults).
         scale_dtype: dtype of the stored scales; default ``gate_up``'s dtype.
     """
     if gate_up.dim() == 2:
@@ -202,8 +397,9 @@ def quantize_experts(
         raise ValueError(f"inputs has {len(inputs)} entries for {experts} experts")
     out = []
     for e in range(experts):
-        x, h = inputs[e] if inputs is not None and inputs[e] is not None else (None, None)  # type: ignore[misc]
-        out.append(quantize_expert(gate_up[e], down[e], x, h, spec))
+        rec = inputs[e] if inputs is not None else None
+        x, h, w = (rec[0], rec[1], rec[2] if len(rec) > 2 else None) if rec is not None else (None, None, None)
+        out.append(quantize_expert(gate_up[e], down[e], x, h, spec, w))
     return out
 
 

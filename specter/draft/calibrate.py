@@ -3,8 +3,9 @@
 The target is built the way Specter runs it (dense parts through transformers, every routed
 expert in one ``ExpertStore``) and its MoE layers are sent, through the loader's ``specter``
 experts hook, to a recorder that computes exactly transformers' eager expert loop while it
-keeps, per (layer, expert), the inputs routed to it and the intermediate activation
-``act(gate x) * up x`` that ``down`` receives. A seeded reservoir keeps at most ``cap`` tokens
+keeps, per (layer, expert), the inputs routed to it, the intermediate activation
+``act(gate x) * up x`` that ``down`` receives, and the router weight each token gives the
+expert's output (what the expert's error is multiplied by in the layer's output). A seeded reservoir keeps at most ``cap`` tokens
 per expert, spread uniformly over the whole calibration text, so memory stays bounded.
 """
 
@@ -29,11 +30,13 @@ DEFAULT_CALIBRATION = Path(__file__).resolve().parent.parent / "assets" / "promp
 @dataclass
 class ExpertInputs:
     """Calibration inputs of one expert: ``x`` (n, H) and ``h`` (n, I), fp32; ``seen`` counts all
-    tokens routed to it (``n = min(seen, cap)``)."""
+    tokens routed to it (``n = min(seen, cap)``); ``w`` (n,) the router weight of each kept token
+    (None: not recorded)."""
 
     x: torch.Tensor
     h: torch.Tensor
     seen: int = 0
+    w: torch.Tensor | None = None
 
 
 class _Reservoir:
@@ -42,14 +45,16 @@ class _Reservoir:
     def __init__(self, cap: int, hidden: int, intermediate: int, generator: torch.Generator):
         self.x = torch.empty(cap, hidden)
         self.h = torch.empty(cap, intermediate)
+        self.w = torch.empty(cap)
         self.cap = cap
         self.seen = 0
         self.gen = generator
 
-    def add(self, x: torch.Tensor, h: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
         fill = max(0, min(x.shape[0], self.cap - self.seen))
         self.x[self.seen : self.seen + fill] = x[:fill]
         self.h[self.seen : self.seen + fill] = h[:fill]
+        self.w[self.seen : self.seen + fill] = w[:fill]
         rest = x.shape[0] - fill
         if rest:
             # Row number t (0-based) replaces a random slot with probability cap / (t + 1).
@@ -58,11 +63,12 @@ class _Reservoir:
             for row in (slots < self.cap).nonzero().flatten().tolist():
                 self.x[slots[row]] = x[fill + row]
                 self.h[slots[row]] = h[fill + row]
+                self.w[slots[row]] = w[fill + row]
         self.seen += x.shape[0]
 
     def result(self) -> ExpertInputs:
         n = min(self.seen, self.cap)
-        return ExpertInputs(self.x[:n].clone(), self.h[:n].clone(), self.seen)
+        return ExpertInputs(self.x[:n].clone(), self.h[:n].clone(), self.seen, self.w[:n].clone())
 
 
 class CalibrationRecorder:
@@ -93,9 +99,10 @@ class CalibrationRecorder:
             x = hidden[token_idx]
             gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
             h = module.act_fn(gate) * up
-            out = F.linear(h, down) * top_k_weights[token_idx, top_k_pos, None]
+            weight = top_k_weights[token_idx, top_k_pos]
+            out = F.linear(h, down) * weight[:, None]
             final.index_add_(0, token_idx, out.to(hidden.dtype))
-            self._reservoir(layer, expert).add(x.float(), h.float())
+            self._reservoir(layer, expert).add(x.float(), h.float(), weight.float())
         return final
 
     def _reservoir(self, layer: int, expert: int) -> _Reservoir:

@@ -89,6 +89,11 @@ def run_quantize(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {scheme}, {report['packed_bytes'] / 1e6:.2f} MB packed experts "
         f"(target {report['target_expert_bytes'] / 1e6:.2f} MB), {report['calibration']['tokens']} calibration tokens, "
         f"{report['rtn_fallback_experts']} RTN fallbacks"
+        + (
+            f", experts' relative output error {report['output_rel_err']:.4f} on the calibration inputs"
+            if report.get("output_rel_err") is not None
+            else ""
+        )
     )
     return 0
 

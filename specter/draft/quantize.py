@@ -8,7 +8,9 @@ record each expert's calibration inputs, then quantize layer by layer and write
 * ``config.json`` — the target's, plus ``quantization_config`` (compressed-tensors) and a small
   ``specter_draft`` block;
 * tokenizer and generation files, copied;
-* ``draft_report.json`` — method, group sizes, α per layer, RTN fallbacks, bytes, per-layer error.
+* ``draft_report.json`` — method, group sizes, α and clipping per layer, RTN fallbacks, bytes,
+  per-layer error (among it the experts' relative output error on the calibration inputs, for
+  every method when calibration text is at hand).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specter.draft.awq import QuantExpert, QuantSpec, quantize_expert
@@ -33,6 +36,9 @@ from specter.models.loader import LoadedModel, build_dense, load_store
 log = logging.getLogger(__name__)
 
 REPORT = "draft_report.json"
+# Bumped whenever the same flags would quantize differently (2: AWQ clipping, duo scales,
+# expert-output loss weighted by the router); tools that cache drafts compare it.
+QUANTIZER_VERSION = 2
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", REPORT}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -50,6 +56,9 @@ def quantize_model(
     cap: int = 512,
     grid: int = 20,
     seed: int = 0,
+    duo: bool = True,
+    clip_grid: int = 11,
+    router_weighted: bool = True,
 ) -> dict[str, Any]:
     """Quantize a target's routed experts and write the draft folder.
 
@@ -65,19 +74,21 @@ def quantize_model(
         cap: calibration tokens kept per expert.
         grid: α grid points for AWQ.
         seed: calibration sampling seed.
+        duo, clip_grid, router_weighted: AWQ's search settings (``QuantSpec``).
 
     Returns:
         The report also written to ``out_dir/draft_report.json``.
     """
-    QuantSpec(method, group_size, grid)  # validate flags before any loading
+    # Validate the flags before any loading.
+    QuantSpec(method, group_size, grid, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted)
     loaded = build_dense(model_dir)
     out = Path(out_dir).expanduser()
     if out.resolve() == loaded.checkpoint.dir.resolve():
         raise ValueError(f"out_dir {str(out)!r} is the model folder itself; choose another folder")
-    spec = QuantSpec(method, group_size, grid, loaded.shape.dtype)
-    ids = calib_ids
-    if ids is None and (method == "awq" or calib_text is not None):  # RTN and int8 need no activations
-        ids = calibration_ids(loaded.checkpoint.dir, calib_text, calib_tokens)
+    spec = QuantSpec(
+        method, group_size, grid, loaded.shape.dtype, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted
+    )
+    ids = calib_ids if calib_ids is not None else _calibration(loaded, method, calib_text, calib_tokens)
     if ids is not None:
         ids = ids[:calib_tokens]
     if method == "awq" and not ids:
@@ -109,15 +120,30 @@ def quantize_model(
     return report
 
 
+def _calibration(
+    loaded: LoadedModel, method: str, calib_text: str | Path | None, calib_tokens: int
+) -> list[int] | None:
+    """Calibration ids. RTN and int8 need no activations: they record them (for the report's
+    output error) only when the text and tokenizer are at hand, and never fail for lack of them."""
+    try:
+        return calibration_ids(loaded.checkpoint.dir, calib_text, calib_tokens)
+    except ValueError:
+        if method == "awq" or calib_text is not None:
+            raise
+        return None
+
+
 def _quantize_layer(
     loaded: LoadedModel, store: ExpertStore, recorder: CalibrationRecorder | None, layer: int, spec: QuantSpec
 ) -> list[QuantExpert]:
     inputs = recorder.inputs(layer) if recorder is not None else [None] * loaded.num_experts
+    module = loaded.experts_modules.get(layer)
+    act = getattr(module, "act_fn", None) or F.silu
     out = []
     for expert, rec in enumerate(inputs):
         gate_up, down = store.shape.split(store.blob(layer, expert))
-        x, h = (rec.x, rec.h) if rec is not None else (None, None)
-        out.append(quantize_expert(gate_up, down, x, h, spec))
+        x, h, w = (rec.x, rec.h, rec.w) if rec is not None else (None, None, None)
+        out.append(quantize_expert(gate_up, down, x, h, spec, w, act))
     return out
 
 
@@ -139,13 +165,20 @@ def _dense_tensors(loaded: LoadedModel) -> dict[str, torch.Tensor]:
 
 
 def _layer_summary(experts: list[QuantExpert], store: ExpertStore, layer: int) -> dict[str, Any]:
-    """α statistics, fallbacks, token-weighted output MSE and weight error of one layer."""
+    """α and clipping statistics, fallbacks, token-weighted output MSE, the experts' relative
+    output error and the weight error of one layer."""
     alphas_gu = [q.alpha_gate_up for q in experts if q.alpha_gate_up is not None]
     alphas_down = [q.alpha_down for q in experts if q.alpha_down is not None]
     tokens = sum(q.tokens for q in experts)
+    ref = sum(q.out_ref for q in experts)
     summary: dict[str, Any] = {
         "alpha_gate_up": _stats(alphas_gu),
         "alpha_down": _stats(alphas_down),
+        "duo_gate_up": sum(q.duo_gate_up for q in experts),
+        "duo_down": sum(q.duo_down for q in experts),
+        "clip_gate_up": _stats([q.clip_gate_up for q in experts if q.clip_gate_up is not None]),
+        "clip_down": _stats([q.clip_down for q in experts if q.clip_down is not None]),
+        "output_rel_err": (sum(q.out_err for q in experts) / ref) ** 0.5 if ref else None,
         "rtn_fallback": sum(q.fallback for q in experts),
         "calibration_tokens": tokens,
         "weight_rel_err": _weight_error(experts, store, layer),
@@ -173,11 +206,16 @@ def _progress_line(layer: int, summary: dict[str, Any]) -> str:
     for name in ("alpha_gate_up", "alpha_down"):
         if summary[name] is not None:
             parts.append(f"{name} {summary[name]['mean']:.2f}")
-    for name in ("mse_gate_up", "mse_down"):
+    for name in ("mse_gate_up", "mse_down", "output_rel_err"):
         if summary[name] is not None:
             parts.append(f"{name} {summary[name]:.3g}")
     parts.append(f"weight rel err {summary['weight_rel_err']:.4f}, {summary['rtn_fallback']} RTN fallbacks")
     return " ".join(parts)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
@@ -202,14 +240,21 @@ def _report(
     shape = loaded.shape
     return {
         "method": spec.method,
+        "quantizer_version": QUANTIZER_VERSION,
         "model_type": loaded.family.model_type,
         "source": str(loaded.checkpoint.dir),
         "num_bits": spec.num_bits,
         "group_size_requested": spec.group_size,
         "group_sizes": {"gate_up": spec.group_for(shape.hidden), "down": spec.group_for(shape.intermediate)},
         "awq_grid": spec.grid if spec.method == "awq" else None,
+        "awq_search": (
+            {"duo": spec.duo, "clip_grid": spec.clip_grid, "clip_min": spec.clip_min,
+             "router_weighted": spec.router_weighted}
+            if spec.method == "awq" else None
+        ),
         "calibration": {"tokens": tokens, "cap_per_expert": cap},
         "rtn_fallback_experts": sum(layer["rtn_fallback"] for layer in layers.values()),
+        "output_rel_err": _mean([layer["output_rel_err"] for layer in layers.values()]),
         "awq_scaled_projections": sum(1 for k in tensors if k.endswith(AWQ_SCALE)),
         "packed_bytes": packed,
         "target_expert_bytes": len(loaded.moe_layers) * loaded.num_experts * shape.nbytes,

@@ -95,6 +95,7 @@ def quantize_weight(
     group_size: int,
     scale_dtype: torch.dtype,
     awq_scale: torch.Tensor | None = None,
+    clip: torch.Tensor | None = None,
 ) -> QuantWeight:
     """Asymmetric min-max round-to-nearest quantization of ``weight · diag(awq_scale)``.
 
@@ -105,6 +106,9 @@ def quantize_weight(
         scale_dtype: dtype the scales are stored in (the model dtype); codes are computed
             against the *stored* (rounded) scales so that dequantization matches exactly.
         awq_scale: optional ``(in,)`` positive per-input-channel scale ``s``.
+        clip: optional ``(out, in // group_size)`` ratios in (0, 1]: each group's range
+            ``[min, max]`` shrinks to ``[r·min, r·max]`` (AWQ's clipping); values outside it
+            round to the nearest end. Only the stored scale and zero point change.
     """
     if num_bits not in (4, 8):
         raise ValueError(f"num_bits must be 4 or 8, got {num_bits}")
@@ -120,6 +124,10 @@ def quantize_weight(
     # The range always contains 0 so that the zero point stays inside [qmin, qmax].
     low = groups.amin(dim=-1).clamp(max=0.0)
     high = groups.amax(dim=-1).clamp(min=0.0)
+    if clip is not None:
+        if clip.shape != low.shape:
+            raise ValueError(f"clip has shape {tuple(clip.shape)}, expected {tuple(low.shape)} (out, groups)")
+        low, high = low * clip.float(), high * clip.float()
     # Rounded to the storage dtype first: codes are computed against the scale that is stored.
     step = ((high - low) / (qmax - qmin)).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
     step_f = step.float()

@@ -52,13 +52,17 @@ def test_pack_rejects_out_of_range_and_bad_dtype() -> None:
         pack_int32(torch.zeros(2, 2, dtype=torch.int8), 3, 1)
 
 
-@pytest.mark.parametrize("awq", [False, True])
+@pytest.mark.parametrize("awq,clipped", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("bits,group", [(4, 24), (4, 16), (8, 48)])
-def test_save_load_reproduces_dequantized_weight_exactly(tmp_path, awq: bool, bits: int, group: int) -> None:
+def test_save_load_reproduces_dequantized_weight_exactly(
+    tmp_path, awq: bool, clipped: bool, bits: int, group: int
+) -> None:
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 48, generator=gen)
     s = torch.rand(48, generator=gen) + 0.5 if awq else None
-    quant = quantize_weight(weight, bits, group, torch.bfloat16, s)
+    # AWQ's clipping shrinks group ranges: only the stored scales and zero points differ.
+    clip = 0.5 + 0.5 * torch.rand(40, 48 // group, generator=gen) if clipped else None
+    quant = quantize_weight(weight, bits, group, torch.bfloat16, s, clip)
     module = "model.layers.0.mlp.experts.3.gate_proj"
     tensors = weight_tensors(module, quant)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})

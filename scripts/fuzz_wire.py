@@ -2,7 +2,8 @@
 
 Launches one replica (transfer, verifier, draft actors) on a local Ray with the shipped MoE and its
 AWQ draft, generates once fault-free, then sends ``--frames`` bad frames to each socket (the
-transfer actor's pull socket, the draft actor's pair socket) in ``--rounds`` bursts between
+transfer actor's pull socket, the draft actor's end of the pair socket, and the verifier's end of
+it, sent from the draft's side while the draft's serving thread is paused) in ``--rounds`` bursts between
 requests, generating after each burst. Prints what was sent by category, what each actor counted
 (frames read, dropped per reason, refused per reason, accepted), whether the output stayed
 token-identical, and the wall time. Exit status 1 if the output changed, a frame went uncounted or
@@ -30,7 +31,7 @@ def _prompt(model: Path, text: str) -> list[int]:
 
 def _print(report: dict, wall_s: float) -> None:
     print(f"tokens identical to the fault-free run: {report['tokens_identical']} ({len(report['reference'])} tokens)")
-    for role in ("transfer", "draft"):
+    for role in ("transfer", "draft", "verifier"):
         got = report[role]
         print(f"\n{role}: sent {sum(got['sent'].values())} frames, the actor read {got['frames']} "
               f"(uncounted {got['uncounted']}), still serving: {got['serving']}")
@@ -76,7 +77,7 @@ def main() -> int:
     if args.json:
         print(json.dumps({**report, "wall_s": wall_s}))
     ok = report["tokens_identical"] and all(
-        report[r]["uncounted"] == 0 and report[r]["serving"] for r in ("transfer", "draft")
+        report[r]["uncounted"] == 0 and report[r]["serving"] for r in ("transfer", "draft", "verifier")
     )
     return 0 if ok else 1
 

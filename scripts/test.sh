@@ -6,7 +6,7 @@ bash scripts/install.sh
 python3 -m ruff check specter actors scripts tests
 python3 -m mypy specter actors
 set +e
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=12 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

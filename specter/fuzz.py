@@ -18,13 +18,15 @@ decoded here before it is sent, so a bit flip that happens to make one of them i
 the transfer actor's pull socket from a second connection of its own, and into the draft actor's
 pair socket through the verifier's connection (a ``pair`` socket admits one peer; between requests
 the fuzzer borrows it, so every frame crosses the real connection into the draft's real decode
-path), then checks that the replica still generates the same tokens and reads what each actor
-counted. Ray is imported only there. ``scripts/fuzz_wire.py`` is the command line.
+path), and into the verifier's end of that pair from the draft's side (the draft's serving thread
+paused meanwhile, the verifier reading through its real decoder), then checks that the replica
+still generates the same tokens and reads what each actor counted. Ray is imported only there. ``scripts/fuzz_wire.py`` is the command line.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -282,6 +284,56 @@ def fuzz_through_verifier(verifier: Any, draft: Any, target: Target, seed: int, 
     return {"sent": dict(sent), "skipped": fuzzer.skipped, "answers": answers}
 
 
+def draft_sends_to_verifier(draft: Any, target: Target, seed: int, n: int, timeout_s: float) -> dict:
+    """Run inside the draft actor: pause its serving thread (so its pair socket has one user),
+    send ``n`` frames to the verifier on it, then serve again."""
+    draft._stop.set()
+    draft._thread.join(timeout=timeout_s)
+    channel, fuzzer, sent = draft.channel, FrameFuzzer(target, seed), Counter[str]()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in range(n):
+            category, parts = fuzzer.frame()
+            while True:
+                try:
+                    channel.socket.send_multipart(parts, zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # the verifier reads as fast as it can: wait for room
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the verifier took fewer than {n} frames within {timeout_s:.0f}s") from None
+                    time.sleep(0.001)
+            sent[category] += 1
+    finally:
+        draft._stop = threading.Event()
+        draft._thread = threading.Thread(target=draft.server.serve, args=(draft._stop,), name="specter-draft",
+                                         daemon=True)
+        draft._thread.start()
+        threading.Thread(target=draft._publish, name="specter-draft-metrics", daemon=True).start()
+    return {"sent": dict(sent), "skipped": fuzzer.skipped}
+
+
+def verifier_reads(verifier: Any, n: int, timeout_s: float) -> dict[str, Any]:
+    """Run inside the verifier actor (idle between requests): read its pair socket through its
+    real decoder until ``n`` more frames were received or dropped; returns what it counted."""
+    channel = verifier.proposer.channel
+    received, dropped = channel.received, dict(channel.dropped)
+    deadline = time.monotonic() + timeout_s
+    while channel.received - received + sum(channel.dropped.values()) - sum(dropped.values()) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the verifier read fewer than {n} frames within {timeout_s:.0f}s")
+        channel.recv(0.05)
+    got = channel.received - received
+    return {
+        "frames": got + sum(channel.dropped.values()) - sum(dropped.values()),
+        "received": got,
+        "dropped": {k: v - dropped.get(k, 0) for k, v in channel.dropped.items()},
+        "refused": {},
+        "accepted": got,  # decoded: a request's round loop ignores what is not for its round
+        "unsent_errors": 0,
+        "serving": True,
+    }
+
+
 def _drain(channel: Any, wait_s: float) -> int:
     got = 0
     while channel.recv(wait_s if got == 0 else 0) is not None:
@@ -327,6 +379,9 @@ def fuzz_engine(
     endpoint = ray.get(handle.transfer.info.remote())["endpoint"]
     actors = {"transfer": handle.transfer, "draft": handle.draft}
     targets = {role: ray.get(a.__ray_call__.remote(actor_target)) for role, a in actors.items()}
+    targets["verifier"] = Target("verifier", vocab_size=targets["draft"].vocab_size,
+                                 max_positions=targets["draft"].max_positions)
+    actors["verifier"] = handle.verifier
     sent: dict[str, Counter[str]] = {role: Counter() for role in actors}
     counted: dict[str, list[dict[str, Any]]] = {role: [] for role in actors}
     identical, per_round = True, -(-frames // rounds)
@@ -341,6 +396,12 @@ def fuzz_engine(
         )
         sent["draft"].update(ray.get(call)["sent"])
         counted["draft"].append(_delta(before, ray.get(handle.draft.__ray_call__.remote(actor_counts))))
+        reads = handle.verifier.__ray_call__.remote(verifier_reads, n, timeout_s)
+        sends = handle.draft.__ray_call__.remote(
+            draft_sends_to_verifier, targets["verifier"], seed + 2 * rounds + r, n, timeout_s
+        )
+        sent["verifier"].update(ray.get(sends)["sent"])
+        counted["verifier"].append(ray.get(reads))
         identical &= handle.generate(prompt, new_tokens, **options)["tokens"] == reference
     report: dict[str, Any] = {"tokens_identical": identical, "reference": reference}
     for role in actors:

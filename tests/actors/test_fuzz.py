@@ -54,6 +54,9 @@ def test_fuzzed_sockets_count_every_frame_and_output_is_unchanged(engine) -> Non
         assert min(got["dropped"].values()) > 0, got["dropped"]  # malformed, unknown, wrong_version
         assert got["refused"]["out_of_range"] > 0 and got["refused"]["unexpected"] > 0, got["refused"]
         assert got["received"] == got["accepted"] + sum(got["refused"].values())
+    verifier = report["verifier"]  # its end of the pair socket, fed from the draft's side
+    assert sum(verifier["sent"].values()) == verifier["frames"] == FRAMES and verifier["uncounted"] == 0, verifier
+    assert min(verifier["dropped"].values()) > 0, verifier["dropped"]
     assert report["transfer"]["refused"]["unknown_id"] > 0
     transfer = report["transfer"]
     # accepted: only harmless well-formed ones (LinkTiming(True) out of turn, rare lucky flips)

@@ -151,7 +151,8 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
                 runs[policy].append(stats.to_dict())
             if handle is not None:  # the same policy and window, through the actors, same prompt
                 window = window_of(config, "specter")
-                out = handle.generate(prompt, config.new_tokens, window=window, policy=ACTORS_POLICY)
+                out = handle.generate(prompt, config.new_tokens, window=window, policy=ACTORS_POLICY,
+                                      untimed_prefill=True)
                 runs[ACTORS].append(out["stats"])
             if progress:
                 done = i + 1

@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="recall windows K")
     p.add_argument("--spec-windows", default="4,8", help="speculation windows K for mean accepted length")
     p.add_argument("--calib-tokens", type=int, default=4096, help="AWQ calibration tokens")
+    p.add_argument("--calib-generate", type=int, default=0, metavar="N",
+                   help="calibrate also on the target's greedy continuations of N windows of the calibration "
+                        "text (0: text only)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="seed of random prompts and random calibration ids")
     p.add_argument("--work", help="folder that keeps the drafts (reused when newer than the model)")
@@ -88,8 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--windows/--spec-windows: comma lists of integers")
     if any(k < 1 for k in args.windows) or any(k < 1 or k > 64 for k in args.spec_windows):
         p.error("--windows: K >= 1; --spec-windows: 1 <= K <= 64")
-    if args.num_prompts < 1 or args.new_tokens < 2 or args.prompt_len < 1:
-        p.error("--num-prompts >= 1, --new-tokens >= 2, --prompt-len >= 1")
+    if args.num_prompts < 1 or args.new_tokens < 2 or args.prompt_len < 1 or args.calib_generate < 0:
+        p.error("--num-prompts >= 1, --new-tokens >= 2, --prompt-len >= 1, --calib-generate >= 0")
     for model in args.model:
         if not (Path(model) / "config.json").is_file():
             p.error(f"--model: {model} has no config.json")
@@ -147,6 +150,7 @@ def make_draft(model_dir: Path, method: str, work: Path, args: argparse.Namespac
         from specter.draft.resident import ResidentDraft
 
         return ResidentDraft(model_dir), {"method": "fp"}
+    from specter.draft.calibrate import GenerationSpec
     from specter.draft.quantize import QUANTIZER_VERSION, REPORT, quantize_model
     from specter.draft.runner import DraftModel
 
@@ -158,19 +162,23 @@ def make_draft(model_dir: Path, method: str, work: Path, args: argparse.Namespac
     weights = max(f.stat().st_mtime for f in model_dir.glob("*.safetensors"))
     if report_file.is_file() and report_file.stat().st_mtime > weights:
         report = json.loads(report_file.read_text())
-        if report.get("method") == method and report.get("quantizer_version") == QUANTIZER_VERSION:
+        windows = report.get("calibration", {}).get("generated", {}).get("windows")
+        if (report.get("method"), report.get("quantizer_version"), windows) == (
+            method, QUANTIZER_VERSION, args.calib_generate
+        ):
             say(f"  {method}: reusing the draft in {out}")
             return load_draft(out), report
     say(f"  {method}: quantizing into {out}")
     report = quantize_model(
         model_dir, out, method=method, calib_tokens=args.calib_tokens, group_size=args.group_size,
         progress=args.verbose, calib_ids=calibration(model_dir, vocab, args) if method == "awq" else None,
+        generation=GenerationSpec(windows=args.calib_generate),
     )
     return load_draft(out), report
 
 
 def _report_brief(report: dict) -> dict:
-    keys = ("method", "bits", "group_sizes", "calib_tokens", "rtn_fallback_experts", "awq_scaled_projections",
+    keys = ("method", "bits", "group_sizes", "calibration", "rtn_fallback_experts", "awq_scaled_projections",
             "packed_bytes", "target_expert_bytes", "output_rel_err", "awq_search")
     return {k: report[k] for k in keys if k in report}
 
@@ -386,9 +394,11 @@ process), next-token agreement at the positions that predict them. `int8` is per
 asymmetric; `rtn` and `awq` are int4, group {group_size} (or the largest divisor the report names);
 drafts compute in `{draft_mode}` mode (`DraftModel.load`).
 AWQ calibrates on the first {calib_tokens} tokens of `specter/assets/prompts/calibration.txt` (excerpts
-of the training split; the held-out prompts come from held-out files only): per expert it searches
-input-channel scales (plain and weight-magnitude "duo" form) and then per-group clipping ratios,
-both against the expert's router-weighted output error on the tokens routed to it (`docs/draft.md`).
+of the training split; the held-out prompts come from held-out files only) and on the target's own
+greedy continuations ({calib_generate_tokens} tokens) of {calib_generate} windows of {calib_generate_prompt} of those tokens
+(self-generated calibration; never the held-out prompts): per expert it searches input-channel
+scales (plain and weight-magnitude "duo" form) and then per-group clipping ratios, both against
+the expert's router-weighted output error on the tokens routed to it (`docs/draft.md`).
 
 The verdict compares the exact (unrounded) numbers, every column: AWQ must be no worse than RTN
 on any and better on at least one. A paired bootstrap over prompts ({bootstrap} resamples) gives a
@@ -405,8 +415,13 @@ output error) measures the drafts' closeness to the target directly.
 
 
 def write_doc(path: Path, results: list[dict[str, Any]], command: str, args: argparse.Namespace) -> None:
+    from specter.draft.calibrate import GenerationSpec
+
+    generation = GenerationSpec(windows=args.calib_generate)
     head = DOC_HEAD.format(calib_tokens=args.calib_tokens, group_size=args.group_size, bootstrap=args.bootstrap,
-                            draft_mode=args.draft_mode)
+                            draft_mode=args.draft_mode, calib_generate=generation.windows,
+                            calib_generate_tokens=generation.new_tokens,
+                            calib_generate_prompt=generation.prompt_tokens)
     parts = [head, "## Results", "", "```", command, "```", ""]
     for result in results:
         parts += [model_section(result), ""]

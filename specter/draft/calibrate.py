@@ -5,8 +5,16 @@ expert in one ``ExpertStore``) and its MoE layers are sent, through the loader's
 experts hook, to a recorder that computes exactly transformers' eager expert loop while it
 keeps, per (layer, expert), the inputs routed to it, the intermediate activation
 ``act(gate x) * up x`` that ``down`` receives, and the router weight each token gives the
-expert's output (what the expert's error is multiplied by in the layer's output). A seeded reservoir keeps at most ``cap`` tokens
-per expert, spread uniformly over the whole calibration text, so memory stays bounded.
+expert's output (what the expert's error is multiplied by in the layer's output). A seeded
+reservoir keeps at most ``cap`` tokens per expert, spread uniformly over everything recorded, so
+memory stays bounded.
+
+Besides the calibration text, the target's **own greedy continuations** are recorded
+(``GenerationSpec``): windows taken evenly from the calibration tokens are continued by the
+target, and each window plus its continuation is run as one sequence. What the target writes
+(repetitive loops, for small models) is what a draft must follow at run time, and plain text
+alone does not show the quantizer those activations (docs/draft.md). Only calibration tokens
+are used as prompts, and everything is deterministic (greedy decoding, fixed window positions).
 """
 
 from __future__ import annotations
@@ -37,6 +45,53 @@ class ExpertInputs:
     h: torch.Tensor
     seen: int = 0
     w: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """Self-generated calibration: ``windows`` prompts of ``prompt_tokens`` calibration tokens,
+    evenly spaced over the calibration ids, each greedily continued by the target for
+    ``new_tokens`` tokens. ``windows`` 0 switches it off."""
+
+    windows: int = 32
+    prompt_tokens: int = 32
+    new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.windows < 0:
+            raise ValueError(f"windows (self-generated calibration prompts) must be >= 0, got {self.windows}")
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be a positive integer, got {self.prompt_tokens}")
+        if self.new_tokens < 1:
+            raise ValueError(f"new_tokens must be a positive integer, got {self.new_tokens}")
+
+
+NO_GENERATION = GenerationSpec(windows=0)
+
+
+def prompt_windows(token_ids: list[int], windows: int, length: int) -> list[list[int]]:
+    """``windows`` slices of ``length`` consecutive ids (fewer if ``token_ids`` is shorter),
+    starting at evenly spaced offsets from the first id to the last full window."""
+    length = min(length, len(token_ids))
+    last = len(token_ids) - length
+    if windows < 1 or length < 1:
+        return []
+    starts = sorted({round(i * last / max(1, windows - 1)) for i in range(windows)}) if windows > 1 else [0]
+    return [list(token_ids[s : s + length]) for s in starts]
+
+
+@torch.inference_mode()
+def greedy_continue(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """The model's greedy continuation of ``prompt``: exactly ``new_tokens`` ids (EOS ignored)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return [int(t) for t in out[0, len(prompt) :].tolist()]
 
 
 class _Reservoir:
@@ -81,6 +136,8 @@ class CalibrationRecorder:
         self.store = store
         self.cap = cap
         self.gen = torch.Generator().manual_seed(seed)
+        self.recording = True
+        self.generated: list[list[int]] = []  # self-generated sequences (prompt + continuation)
         self._res: dict[tuple[int, int], _Reservoir] = {}
 
     def forward(
@@ -102,7 +159,8 @@ class CalibrationRecorder:
             weight = top_k_weights[token_idx, top_k_pos]
             out = F.linear(h, down) * weight[:, None]
             final.index_add_(0, token_idx, out.to(hidden.dtype))
-            self._reservoir(layer, expert).add(x.float(), h.float(), weight.float())
+            if self.recording:
+                self._reservoir(layer, expert).add(x.float(), h.float(), weight.float())
         return final
 
     def _reservoir(self, layer: int, expert: int) -> _Reservoir:
@@ -130,8 +188,10 @@ def record_expert_inputs(
     seq_len: int = 512,
     seed: int = 0,
     progress: bool = False,
+    generation: GenerationSpec = NO_GENERATION,
 ) -> CalibrationRecorder:
-    """Run the target over ``token_ids`` in chunks of ``seq_len`` and record expert inputs.
+    """Run the target over ``token_ids`` in chunks of ``seq_len``, then over its own greedy
+    continuations of windows of ``token_ids`` (``generation``), and record expert inputs.
 
     Args:
         loaded: the dense-loaded target (``specter.models.loader.build_dense``).
@@ -141,6 +201,8 @@ def record_expert_inputs(
         seq_len: tokens per forward pass (capped by the model's context length).
         seed: reservoir sampling seed.
         progress: log each chunk.
+        generation: self-generated calibration (default: none); the sequences are kept in
+            ``recorder.generated``.
     """
     if not token_ids:
         raise ValueError("token_ids (calibration tokens) is empty")
@@ -160,10 +222,35 @@ def record_expert_inputs(
             loaded.model(input_ids=chunk[None], use_cache=False)
             if progress:
                 log.info("calibration: chunk %d/%d (%d tokens)", n + 1, len(chunks), chunk.numel())
+        _record_generated(loaded, recorder, token_ids, generation, seq_len, progress)
     finally:
         for module in loaded.experts_modules.values():
             module.__dict__.pop("_specter_runner", None)
     return recorder
+
+
+def _record_generated(
+    loaded: LoadedModel,
+    recorder: CalibrationRecorder,
+    token_ids: list[int],
+    generation: GenerationSpec,
+    seq_len: int,
+    progress: bool,
+) -> None:
+    """Continue windows of the calibration ids with the target (not recorded: the decode steps
+    see one token at a time), then record each window plus continuation as one sequence."""
+    new_tokens = max(0, min(generation.new_tokens, seq_len - min(generation.prompt_tokens, len(token_ids))))
+    windows = prompt_windows(token_ids, generation.windows, generation.prompt_tokens) if new_tokens else []
+    for n, prompt in enumerate(windows):
+        recorder.recording = False
+        try:
+            sequence = prompt + greedy_continue(loaded.model, prompt, new_tokens)
+        finally:
+            recorder.recording = True
+        loaded.model(input_ids=torch.tensor([sequence]), use_cache=False)
+        recorder.generated.append(sequence)
+        if progress and ((n + 1) % 8 == 0 or n + 1 == len(windows)):
+            log.info("calibration: self-generated %d/%d (%d tokens each)", n + 1, len(windows), len(sequence))
 
 
 def calibration_ids(

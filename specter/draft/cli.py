@@ -29,6 +29,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def _existing_file(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.is_file():
@@ -57,11 +67,27 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
     cmd.add_argument(
         "--calib-tokens", type=_positive_int, default=4096, help="calibration tokens (default 4096)"
     )
+    cmd.add_argument(
+        "--calib-generate",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="also calibrate on the target's greedy continuations of N windows of the calibration text "
+        "(default 0: text only; 32 was tried, docs/draft.md)",
+    )
+    cmd.add_argument(
+        "--calib-generate-tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="tokens generated per window (default 64)",
+    )
     return cmd
 
 
 def run_quantize(args: argparse.Namespace) -> int:
     """Run ``specter quantize``; returns the process exit status."""
+    from specter.draft.calibrate import GenerationSpec
     from specter.draft.quantize import quantize_model
 
     if not Path(args.model).expanduser().exists():
@@ -76,6 +102,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             calib_tokens=args.calib_tokens,
             group_size=args.group_size,
             progress=True,
+            generation=GenerationSpec(windows=args.calib_generate, new_tokens=args.calib_generate_tokens),
         )
     except (CheckpointError, ValueError) as exc:  # UnsupportedArchitectureError is a ValueError
         return _fail(str(exc))
@@ -88,6 +115,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out}: {scheme}, {report['packed_bytes'] / 1e6:.2f} MB packed experts "
         f"(target {report['target_expert_bytes'] / 1e6:.2f} MB), {report['calibration']['tokens']} calibration tokens, "
+        f"{report['calibration']['generated']['tokens']} self-generated, "
         f"{report['rtn_fallback_experts']} RTN fallbacks"
         + (
             f", experts' relative output error {report['output_rel_err']:.4f} on the calibration inputs"

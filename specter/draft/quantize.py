@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specter.draft.awq import QuantExpert, QuantSpec, quantize_expert
-from specter.draft.calibrate import CalibrationRecorder, calibration_ids, record_expert_inputs
+from specter.draft.calibrate import (
+    NO_GENERATION,
+    CalibrationRecorder,
+    GenerationSpec,
+    calibration_ids,
+    record_expert_inputs,
+)
 from specter.draft.pack import AWQ_SCALE, quantization_config, weight_tensors
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense, load_store
@@ -37,8 +43,9 @@ log = logging.getLogger(__name__)
 
 REPORT = "draft_report.json"
 # Bumped whenever the same flags would quantize differently (2: AWQ clipping, duo scales,
-# expert-output loss weighted by the router); tools that cache drafts compare it.
-QUANTIZER_VERSION = 2
+# expert-output loss weighted by the router; 3: self-generated calibration by default); tools
+# that cache drafts compare it.
+QUANTIZER_VERSION = 3
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", REPORT}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -59,6 +66,7 @@ def quantize_model(
     duo: bool = True,
     clip_grid: int = 11,
     router_weighted: bool = True,
+    generation: GenerationSpec | None = None,
 ) -> dict[str, Any]:
     """Quantize a target's routed experts and write the draft folder.
 
@@ -75,12 +83,15 @@ def quantize_model(
         grid: α grid points for AWQ.
         seed: calibration sampling seed.
         duo, clip_grid, router_weighted: AWQ's search settings (``QuantSpec``).
+        generation: self-generated calibration (the target's greedy continuations of windows of
+            the calibration ids); default off (``NO_GENERATION``), ``GenerationSpec()`` for 32 windows.
 
     Returns:
         The report also written to ``out_dir/draft_report.json``.
     """
     # Validate the flags before any loading.
     QuantSpec(method, group_size, grid, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted)
+    generation = generation if generation is not None else NO_GENERATION
     loaded = build_dense(model_dir)
     out = Path(out_dir).expanduser()
     if out.resolve() == loaded.checkpoint.dir.resolve():
@@ -100,7 +111,9 @@ def quantize_model(
         log.info("group size %d does not split every input dim; using %s", group_size, used)
     store = load_store(loaded, progress=progress)
     recorder = (
-        record_expert_inputs(loaded, store, ids, cap=cap, seed=seed, progress=progress) if ids else None
+        record_expert_inputs(loaded, store, ids, cap=cap, seed=seed, progress=progress, generation=generation)
+        if ids
+        else None
     )
     tensors = _dense_tensors(loaded)
     layers: dict[str, Any] = {}
@@ -112,6 +125,7 @@ def quantize_model(
         if progress:
             log.info("%s", _progress_line(layer, layers[str(layer)]))
     report = _report(loaded, spec, tensors, layers, len(ids) if ids else 0, cap)
+    report["calibration"]["generated"] = _generated_summary(generation, recorder)
     _write(loaded, out, tensors, _config(loaded, spec, report), report)
     if progress:
         log.info(
@@ -131,6 +145,17 @@ def _calibration(
         if method == "awq" or calib_text is not None:
             raise
         return None
+
+
+def _generated_summary(generation: GenerationSpec, recorder: CalibrationRecorder | None) -> dict[str, Any]:
+    sequences = recorder.generated if recorder is not None else []
+    return {
+        "windows": generation.windows,
+        "prompt_tokens": generation.prompt_tokens,
+        "new_tokens": generation.new_tokens,
+        "sequences": len(sequences),
+        "tokens": sum(len(s) for s in sequences),
+    }
 
 
 def _quantize_layer(

@@ -50,6 +50,10 @@ def test_quantize_cli_end_to_end(plain_dir, tmp_path, capsys, caplog) -> None:
         "300",
         "--group-size",
         "64",
+        "--calib-generate",
+        "2",
+        "--calib-generate-tokens",
+        "8",
     ]
     assert _run(argv) == 0
     captured = capsys.readouterr()
@@ -57,6 +61,8 @@ def test_quantize_cli_end_to_end(plain_dir, tmp_path, capsys, caplog) -> None:
     assert "layer 0:" in caplog.text  # progress (the CLI's root handler prints it to stderr)
     report = json.loads((out / "draft_report.json").read_text())
     assert report["calibration"]["tokens"] == 300 and report["group_size_requested"] == 64
+    assert report["calibration"]["generated"]["sequences"] == 2
+    assert report["calibration"]["generated"]["tokens"] == 2 * (32 + 8)
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     draft = DraftModel.load(out, device="cpu", mode="dequant-cache")
     assert draft.forward(torch.tensor([[1, 2, 3]])).shape == (1, 3, 128)

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
+from specter.draft.calibrate import GenerationSpec
 from specter.draft.quantize import quantize_model
 from specter.draft.runner import DraftModel, read_experts
 from specter.models.checkpoint import CheckpointError
@@ -143,9 +144,17 @@ def test_rtn_without_calibration_and_awq_needs_it(plain_dir, tmp_path) -> None:
 
 def test_awq_experts_without_tokens_fall_back_to_rtn(plain_dir, tmp_path) -> None:
     report = quantize_model(
-        plain_dir("mixtral"), tmp_path / "d", method="awq", calib_ids=[3], cap=4, grid=4, progress=False
+        plain_dir("mixtral"),
+        tmp_path / "d",
+        method="awq",
+        calib_ids=[3],
+        cap=4,
+        grid=4,
+        progress=False,
+        generation=GenerationSpec(windows=0),
     )
-    # One token reaches top-2 of 8 experts per layer: six experts per layer get none.
+    # One token (no self-generated calibration) reaches top-2 of 8 experts per layer: six experts
+    # per layer get none.
     assert report["rtn_fallback_experts"] == 3 * 6
 
 

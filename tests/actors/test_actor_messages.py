@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import msgpack
 import pytest
 import torch
@@ -75,7 +77,9 @@ class _Draft:
 
 @pytest.fixture()
 def served():  # type: ignore[no-untyped-def]
-    with Channel("pair", "inproc://draft-srv", bind=True) as a, Channel("pair", "inproc://draft-srv", bind=False) as b:
+    # A fresh name each time: ZeroMQ releases a closed socket's inproc name asynchronously.
+    name = f"inproc://draft-srv-{uuid.uuid4().hex}"
+    with Channel("pair", name, bind=True) as a, Channel("pair", name, bind=False) as b:
         draft = _Draft()
         yield DraftServer(draft, a), draft, b
 

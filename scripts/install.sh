@@ -8,7 +8,7 @@ if ! python3 -c "import torch" 2>/dev/null; then
 fi
 # Reinstall also when the installed package is another checkout's (it must import from here even
 # outside this folder: Ray workers and `ray job submit` entrypoints run elsewhere).
-installed=$(cd / && python3 -c "import specter, os; print(os.path.dirname(os.path.dirname(specter.__file__)))" \
+installed=$(cd / && python3 -c "import specter, os; print(os.path.dirname(os.path.dirname(os.path.realpath(specter.__file__))))" \
             2>/dev/null || true)
 if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy" 2>/dev/null \
    || [ "$installed" != "$(pwd -P)" ] || [ pyproject.toml -nt .install-stamp ]; then

@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -25,30 +23,12 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch import BatchOptions, run_batch  # noqa: E402
+from actors.faults import kill_after_first  # noqa: E402
 from specter.assets import ASSETS  # noqa: E402
 from specter.config import LinkConfig, SlotConfig  # noqa: E402
 from specter.jobs import BatchItem, ResultsFile, errors_path  # noqa: E402
 from specter.prompts import HELDOUT, read_jsonl  # noqa: E402
 from specter.target import _load_tokenizer  # noqa: E402
-
-
-def killer(role: str, how: str, delay_s: float):
-    fired = threading.Event()
-
-    def kill() -> None:
-        time.sleep(delay_s)
-        actor = ray.get_actor(f"specter-r0-{role}")
-        if how == "ray.kill":
-            ray.kill(actor, no_restart=True)
-        else:
-            os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
-
-    def hook(result: dict) -> None:
-        if not fired.is_set():
-            fired.set()
-            threading.Thread(target=kill, daemon=True).start()
-
-    return hook
 
 
 def main() -> int:
@@ -85,7 +65,7 @@ def main() -> int:
     failures = 0
     for role in ("transfer", "draft", "verifier"):
         for how in ("ray.kill", "SIGKILL"):
-            report, rows, wall, out = batch(f"{role}-{how}", killer(role, how, args.delay))
+            report, rows, wall, out = batch(f"{role}-{how}", kill_after_first(role, how, args.delay))
             ids = [row["id"] for row in rows]
             once = sorted(ids) == sorted(want) and len(ids) == len(set(ids))
             same = all(row["tokens"] == want[row["id"]] for row in rows)

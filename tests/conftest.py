@@ -11,7 +11,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_models import CONFIGS, save_tiny  # noqa: E402
+from tiny_models import save_tiny  # noqa: E402
 
 hf_logging.disable_progress_bar()
 torch.set_num_threads(1)  # two cores: leave one to the link thread and the other test work
@@ -29,5 +29,3 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
 
     return make
 
-
-FAMILIES = sorted(CONFIGS)

@@ -7,8 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAMILIES
-from tiny_models import noisy_copy
+from tiny_models import FAMILIES, noisy_copy
 from transformers import AutoModelForCausalLM
 
 from specter.config import HostConfig, LinkConfig, SlotConfig

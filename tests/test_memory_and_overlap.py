@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAMILIES
+from tiny_models import FAMILIES
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specter.config import LinkConfig, SlotConfig

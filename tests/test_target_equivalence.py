@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES
+from tiny_models import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SlotConfig

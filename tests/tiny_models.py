@@ -40,6 +40,7 @@ CONFIGS: dict[str, PretrainedConfig] = {
     "deepseek_v2": DeepseekV2Config(**_COMMON, **_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy"),
     "deepseek_v3": DeepseekV3Config(**_COMMON, **_DEEPSEEK, q_lora_rank=24),
 }
+FAMILIES = sorted(CONFIGS)
 
 
 def save_tiny(family: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **save_kwargs) -> Path:

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
 from actors.client import Client
@@ -25,25 +24,6 @@ LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 BUDGET = SlotConfig(fraction=0.25)  # 6 of 24 routed experts
 
 
-
-
-@pytest.fixture(scope="module")
-def models(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:
-    folder = tiny_dir("mixtral")
-    return folder, noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = not ray.is_initialized()
-    if started:
-        # Ray 2.60 otherwise writes ~/.ray/auth_token, which switches every later local cluster and
-        # the `ray` CLI to token authentication (NOTES.md).
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import ray
 import torch
-from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
 from actors.batch import BatchOptions, run_batch
+from actors.faults import kill_after_first
 from actors.launcher import launch
 from specter.config import LinkConfig, SlotConfig
 from specter.jobs import BatchItem, ResultsFile, errors_path
@@ -40,12 +39,6 @@ def decode(ids: list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:
-    folder = tiny_dir("mixtral")
-    return folder, noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")
-
-
-@pytest.fixture(scope="module")
 def reference(models) -> dict[str, list[int]]:
     model = AutoModelForCausalLM.from_pretrained(models[0], experts_implementation="eager")
     out = {}
@@ -54,17 +47,6 @@ def reference(models) -> dict[str, list[int]]:
         gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         out[f"p{i}"] = gen[0, len(ids) :].tolist()
     return out
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = not ray.is_initialized()
-    if started:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _items(n: int = len(TEXTS)) -> list[BatchItem]:
@@ -132,27 +114,6 @@ def test_a_bad_request_is_recorded_and_the_rest_finish(local_ray, models, refere
     assert errors[0]["id"] == "p1" and "max_new_tokens" in errors[0]["error"] and "context" in errors[0]["error"]
 
 
-def _kill_after_first(role: str, how: str, delay_s: float = 0.2):
-    """An ``on_result`` hook: after the first result, kill replica r0's ``role`` actor a moment later
-    (while r0 runs its next prompt)."""
-    fired = threading.Event()
-
-    def kill() -> None:
-        time.sleep(delay_s)
-        actor = ray.get_actor(f"specter-r0-{role}")
-        if how == "ray.kill":
-            ray.kill(actor, no_restart=True)
-        else:
-            os.kill(ray.get(actor.pid.remote()), getattr(signal, how))
-
-    def hook(result: dict) -> None:
-        if not fired.is_set():
-            fired.set()
-            threading.Thread(target=kill, daemon=True).start()
-
-    return hook
-
-
 @pytest.mark.parametrize(
     # Every role and both ways of killing appear; scripts/fault_drill.py runs the full 3 x 2 matrix.
     ("role", "how"), [("transfer", "ray.kill"), ("draft", "SIGKILL"), ("verifier", "SIGKILL")]
@@ -162,7 +123,7 @@ def test_killed_actor_mid_batch_every_prompt_once_and_identical(local_ray, model
     out = tmp_path / "results.jsonl"
     results = ResultsFile(out)
     report = run_batch(_items(4), results, out, _options(models, timeout_s=5.0), encode, decode,
-                       on_result=_kill_after_first(role, how))
+                       on_result=kill_after_first(role, how, delay_s=0.2))
     results.close()
     rows = _read(out)
     assert sorted(r["id"] for r in rows) == ["p0", "p1", "p2", "p3"]  # each exactly once

@@ -25,17 +25,6 @@ FRAMES = 3000  # per socket
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    started = not ray.is_initialized()
-    if started:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # see tests/actors/test_actors.py
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def engine(local_ray, tiny_dir, tmp_path_factory) -> Iterator[EngineHandle]:
     folder = tiny_dir("mixtral")
     draft = noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")

@@ -42,7 +42,7 @@ class BenchConfig:
     profiles: list[str]
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
     windows: dict[str, int] = field(default_factory=dict)
-    budget: float = 0.5
+    budget: float | None = None  # device slots, fraction of routed experts; None: each profile's own
     per_layer: bool = False
     new_tokens: int = 128
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
@@ -74,9 +74,15 @@ def link_for(profile: Profile, step_s: float, bytes_per_token: int) -> LinkConfi
     return LinkConfig(kind="sim", bandwidth=profile.sim_bandwidth(step_s, bytes_per_token), latency=0.0)
 
 
+def budget_for(config: BenchConfig, profile: Profile) -> SlotConfig:
+    """The device's expert slots under ``profile``: the run's budget if given, else the profile's."""
+    fraction = profile.budget if config.budget is None else config.budget
+    return SlotConfig(fraction=fraction, per_layer=config.per_layer)
+
+
 def load_target(config: BenchConfig, link: LinkConfig, profile: Profile, policy: str) -> OffloadedTarget:
-    """A target for ``policy`` at the run's budget, with the profile's host CPU scaled like its link."""
-    budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
+    """A target for ``policy`` at the profile's budget, with the profile's host CPU scaled like its link."""
+    budget = budget_for(config, profile)
     target = OffloadedTarget.load(config.model, budget, link, policy)
     shape = target.loaded.shape
     target.offload.set_host(profile.sim_host(link.bandwidth, shape.nbytes, 2 * shape.numel))
@@ -109,9 +115,12 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     for name in config.profiles:
         profile = PROFILES[name]
         link = link_for(profile, step_s, per_token)
-        log.info("profile %s: rho %.1f, simulated link %.2f MB/s", name, profile.rho, link.bandwidth / 1e6)
+        budget = budget_for(config, profile).fraction
+        log.info("profile %s: rho %.1f, budget %.0f%%, simulated link %.2f MB/s", name, profile.rho, budget * 100,
+                 link.bandwidth / 1e6)
         runs = _run_profile(config, draft, link, progress, profile)
         results["profiles"][name] = {"rho": profile.rho, "eta": profile.eta, "rho_host": profile.rho_host,
+                                     "budget": budget,
                                      "link_bytes_per_s": link.bandwidth, "runs": runs, "summary": summarize(runs)}
     return results
 
@@ -134,7 +143,7 @@ def profile_window(
 
 def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, profile: Profile) -> dict:
     name = profile.name
-    budget = SlotConfig(fraction=config.budget, per_layer=config.per_layer)
+    budget = budget_for(config, profile)
     targets = {p: load_target(config, link, profile, p) for p in config.policies}
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
     handle, owns_ray = _launch_actors(config, link, budget) if config.actors else (None, False)
@@ -217,7 +226,8 @@ def table(results: dict[str, Any]) -> str:
     lines = []
     for name, block in results["profiles"].items():
         host = f", host eta {block['eta']:.2f}" if "eta" in block else ""
-        lines.append(f"\nprofile {name} (rho {block['rho']:.1f}{host}, sim link "
+        budget = f", budget {block['budget']:.0%}" if "budget" in block else ""
+        lines.append(f"\nprofile {name} (rho {block['rho']:.1f}{host}{budget}, sim link "
                      f"{block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
         lines.append(f"{'policy':<18}{'K':>3}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
                      f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}")

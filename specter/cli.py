@@ -179,7 +179,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--profiles", default="mixtral-pcie4,dsv2lite-pcie4",
                        help=f"comma-separated, from: {', '.join(PROFILES)}")
     bench.add_argument("--policies", default=",".join(POLICIES))
-    bench.add_argument("--budget", type=_fraction, default=SlotConfig(fraction=0.5))
+    bench.add_argument("--budget", type=_fraction, default=None,
+                       help="device expert slots, 0 < F <= 1, for every profile (default: each profile's own, "
+                            "docs/profiles.md)")
     bench.add_argument("--per-layer", action="store_true")
     bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
                        help="override a policy's K, e.g. --window specter=6 (repeatable)")
@@ -218,7 +220,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     count, tokens = (4, 32) if args.quick else (args.num_prompts, args.new_tokens)
     prompts = load_prompts(args.model, args.prompts, count)
     draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
-    config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, args.budget.fraction,
+    budget = args.budget.fraction if args.budget is not None else None
+    config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, budget,
                                args.per_layer, tokens)
     if args.quick:
         config.k_candidates = (2, 4, 8)

@@ -56,6 +56,9 @@ class Profile:
         active_bytes: bytes one all-resident decode step reads (active parameters).
         hbm_bytes_per_s: the GPU's memory bandwidth; a decode step is bound by it.
         efficiency: fraction of peak HBM bandwidth a decode step achieves.
+        budget: the device's expert slots as a fraction of the routed experts — what the GPU holds
+            after the dense parts, the draft and the KV cache (docs/profiles.md); the benchmark's
+            default budget for this profile.
     """
 
     name: str
@@ -65,6 +68,7 @@ class Profile:
     experts_per_token: int
     active_bytes: float
     hbm_bytes_per_s: float
+    budget: float
     host: Host = EPYC_7763
     efficiency: float = 0.7
     bytes_per_param: int = 2
@@ -139,17 +143,22 @@ _DSV2L_ACTIVE = 2.4e9 * 2
 _QWEN_EXPERT = 3 * 2048 * 1408 * 2
 _QWEN_ACTIVE = 2.7e9 * 2
 
+# Budgets. DeepSeek-V2-Lite and Qwen1.5-MoE: the published evaluation's main ("high") cases on
+# the A100-40GB, 16 of 64 and 15 of 60 experts resident per layer. Mixtral: what the GPU holds
+# after the dense parts (1.6 B params, 3.3 GB), the int4 draft's experts (256 × 91 MB = 23.3 GB)
+# and ~2 GB of KV cache and workspace, in 352 MB experts: A100-40GB 11.4 GB → 32 of 256;
+# H100-80GB 51.4 GB → 146 of 256.
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
         Profile("mixtral-pcie4", "Mixtral-8x7B fp16, A100-40GB (1.56 TB/s), PCIe 4.0 x16 25 GB/s",
-                25 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 1.555e12),
+                25 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 1.555e12, 32 / 256),
         Profile("mixtral-pcie5", "Mixtral-8x7B fp16, H100 PCIe (2.0 TB/s), PCIe 5.0 x16 50 GB/s",
-                50 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 2.0e12, XEON_8480),
+                50 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 2.0e12, 146 / 256, XEON_8480),
         Profile("dsv2lite-pcie4", "DeepSeek-V2-Lite bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
-                25 * GB, _DSV2L_EXPERT, 6 * 26, _DSV2L_ACTIVE, 1.555e12),
+                25 * GB, _DSV2L_EXPERT, 6 * 26, _DSV2L_ACTIVE, 1.555e12, 16 / 64),
         Profile("qwen2moe-pcie4", "Qwen1.5-MoE-A2.7B bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
-                25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12),
+                25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12, 15 / 60),
     )
 }
 

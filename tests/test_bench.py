@@ -19,6 +19,14 @@ def test_profile_rho_and_simulated_bandwidth():
     assert 10 < PROFILES["qwen2moe-pcie4"].rho < PROFILES["dsv2lite-pcie4"].rho < PROFILES["mixtral-pcie4"].rho
 
 
+def test_budget_is_the_profiles_unless_given():
+    config = bench.BenchConfig("m", "d", [[1]], ["dsv2lite-pcie4"])
+    assert bench.budget_for(config, PROFILES["dsv2lite-pcie4"]).fraction == 16 / 64  # published main case
+    assert bench.budget_for(config, PROFILES["mixtral-pcie4"]).fraction == 32 / 256
+    config.budget = 0.5
+    assert bench.budget_for(config, PROFILES["dsv2lite-pcie4"]).fraction == 0.5
+
+
 def _run(tpot: float, **extra) -> dict:
     base = dict(tpot_s=tpot, new_tokens=10, hit_rate=0.5, misses=4, bytes_moved=2_000_000, link_busy_fraction=0.5,
                 wait_s=0.1, window=0)
@@ -53,6 +61,7 @@ def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
                                policies=["demand-lru", "specter", "oracle"], new_tokens=6, k_candidates=(1, 3))
     results = bench.run(config, progress=False)
     summary = results["profiles"]["qwen2moe-pcie4"]["summary"]
+    assert results["profiles"]["qwen2moe-pcie4"]["budget"] == PROFILES["qwen2moe-pcie4"].budget == 0.25
     assert set(summary) == {"demand-lru", "specter", "oracle"}
     assert summary["demand-lru"]["speedup"] == pytest.approx(1.0)
     assert summary["specter"]["recall"] == pytest.approx(1.0)  # the draft is the target itself

@@ -115,7 +115,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     for name in config.profiles:
         profile = PROFILES[name]
         link = link_for(profile, step_s, per_token)
-        budget = budget_for(config, profile).fraction
+        budget = profile.budget if config.budget is None else config.budget
         log.info("profile %s: rho %.1f, budget %.0f%%, simulated link %.2f MB/s", name, profile.rho, budget * 100,
                  link.bandwidth / 1e6)
         runs = _run_profile(config, draft, link, progress, profile)

@@ -176,7 +176,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--prompts", default=None, help="JSONL with a 'prompt' per line (default: shipped held-out)")
     bench.add_argument("--num-prompts", type=_positive_int, default=20)
     bench.add_argument("--new-tokens", type=_positive_int, default=128)
-    bench.add_argument("--profiles", default="mixtral-pcie4,dsv2lite-pcie4",
+    bench.add_argument("--profiles", default="qwen2moe-pcie4,dsv2lite-pcie4",
                        help=f"comma-separated, from: {', '.join(PROFILES)}")
     bench.add_argument("--policies", default=",".join(POLICIES))
     bench.add_argument("--budget", type=_fraction, default=None,
@@ -185,7 +185,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--per-layer", action="store_true")
     bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
                        help="override a policy's K, e.g. --window specter=6 (repeatable)")
-    bench.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens (a few minutes)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",
                        help="add a 'specter@actors' column: specter through the Ray actors, same prompts")
     bench.add_argument("--step-s", type=float, default=None,
@@ -217,14 +218,14 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if name.split("+")[0] not in POLICIES or not k.isdigit() or not 0 < int(k) <= 64:
             parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
         windows[name] = int(k)
-    count, tokens = (4, 32) if args.quick else (args.num_prompts, args.new_tokens)
+    count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
     prompts = load_prompts(args.model, args.prompts, count)
     draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
     budget = args.budget.fraction if args.budget is not None else None
     config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, budget,
                                args.per_layer, tokens)
     if args.quick:
-        config.k_candidates = (2, 4, 8)
+        config.k_candidates = (4, 8)
     config.actors = args.actors
     if args.step_s is not None:
         if not args.step_s > 0:

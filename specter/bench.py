@@ -108,8 +108,9 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     first = PROFILES[config.profiles[0]]
     for policy in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
         if policy in config.policies and policy not in config.windows:
-            config.windows[policy], scan = profile_window(config, draft, first, policy, step_s, per_token)
+            config.windows[policy], scan, recall = profile_window(config, draft, first, policy, step_s, per_token)
             results.setdefault("window_scan", {})[policy] = scan
+            results.setdefault("window_recall", {})[policy] = recall
             log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[policy], scan)
     results["windows"] = dict(config.windows)
     for name in config.profiles:
@@ -127,18 +128,21 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
 
 def profile_window(
     config: BenchConfig, draft: Any, profile: Profile, policy: str, step_s: float, per_token: int,
-) -> tuple[int, dict[int, float]]:
-    """The K of lowest median TPOT for ``policy`` on two prompts (a short profiling run)."""
+) -> tuple[int, dict[int, float], dict[int, float]]:
+    """The K of lowest median TPOT for ``policy`` on two prompts (a short profiling run), the
+    median TPOT at every K scanned, and the mean prediction recall at every K."""
     target = load_target(config, link_for(profile, step_s, per_token), profile, policy)
     scan: dict[int, float] = {}
+    recall: dict[int, float] = {}
     try:
         for k in config.k_candidates:
             engine = Engine(target, draft, k, untimed_prefill=True)
-            tpots = [engine.generate_fresh(p, min(32, config.new_tokens))[1].tpot_s for p in config.prompts[:2]]
-            scan[k] = statistics.median(tpots)
+            stats = [engine.generate_fresh(p, min(32, config.new_tokens))[1] for p in config.prompts[:2]]
+            scan[k] = statistics.median(s.tpot_s for s in stats)
+            recall[k] = statistics.mean(float(s.extra.get("recall", 0.0)) for s in stats)
     finally:
         target.close()
-    return min(scan, key=lambda k: scan[k]), scan
+    return min(scan, key=lambda k: scan[k]), scan, recall
 
 
 def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, profile: Profile) -> dict:

@@ -53,4 +53,28 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(out_dir / "time_split.png", dpi=110)
     plt.close(fig)
     files.append(out_dir / "time_split.png")
+    files.append(_recall_vs_k(plt, results, profiles, out_dir))
     return files
+
+
+def _recall_vs_k(plt: Any, results: dict[str, Any], profiles: list[str], out_dir: Path) -> Path:
+    """Prediction recall against the window K: the K scan's curve per drafting policy, and each
+    profile's run at its chosen K as a point."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, by_k in results.get("window_recall", {}).items():
+        ks = sorted(by_k, key=int)
+        ax.plot([int(k) for k in ks], [by_k[k] for k in ks], marker="o", label=f"{policy} (K scan)")
+    for profile in profiles:
+        for policy, s in results["profiles"][profile]["summary"].items():
+            if s.get("window", 0) > 0:
+                ax.scatter([s["window"]], [s["recall"]], marker="x", label=f"{policy} @ {profile}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("window K (draft tokens per round)")
+    ax.set_ylabel("prediction recall")
+    ax.set_title("routing recall |predicted ∩ used| / |used| by window", fontsize=9)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = out_dir / "recall_vs_k.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

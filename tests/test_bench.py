@@ -67,9 +67,11 @@ def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
     assert summary["specter"]["recall"] == pytest.approx(1.0)  # the draft is the target itself
     scan = results["window_scan"]["specter"]
     assert set(scan) == {1, 3} and results["windows"]["specter"] == min(scan, key=scan.get)
+    assert results["window_recall"]["specter"] == {1: pytest.approx(1.0), 3: pytest.approx(1.0)}
     files = bench.save(results, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "results.json").read_text())["profiles"]
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
+    assert {f.name for f in files} >= {"tpot.png", "speedup.png", "time_split.png", "recall_vs_k.png"}
 
 
 def test_bench_actors_column_runs_specter_through_the_actors(tiny_dir):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -36,7 +38,8 @@ class DraftActor:
         self.handshake_timeout_s = timeout_s
         self.channel: Channel | None = None
         self.server: DraftServer | None = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the actor's lifetime: the round loop and the metrics thread
+        self._pause = threading.Event()  # the round loop only (``serving_paused``)
         self._thread: threading.Thread | None = None
 
     def bind(self, endpoint: str, handshake_timeout_s: float | None = None) -> str:
@@ -66,9 +69,25 @@ class DraftActor:
         """Rounds drafted so far."""
         return self.server.rounds if self.server else 0
 
+    @contextmanager
+    def serving_paused(self, timeout_s: float) -> Iterator[Channel]:
+        """Stop the round loop and hand out the pair socket's channel (a pair socket has one user
+        at a time), then serve again; the metrics thread runs on. For the wire fuzzer, which runs
+        inside the actor."""
+        assert self.channel is not None and self._thread is not None
+        self._pause.set()
+        self._thread.join(timeout=timeout_s)
+        try:
+            yield self.channel
+        finally:
+            self._pause = threading.Event()
+            self._thread = threading.Thread(target=self._serve, args=(False,), name="specter-draft", daemon=True)
+            self._thread.start()
+
     def close(self) -> None:
         """Stop serving and close the socket (removes its ipc file)."""
         self._stop.set()
+        self._pause.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.channel is not None:
@@ -81,10 +100,11 @@ class DraftActor:
             self.metrics.inc("specter_draft_rounds", rounds - last)
             last = rounds
 
-    def _serve(self) -> None:
+    def _serve(self, handshake: bool = True) -> None:
         assert self.channel is not None and self.server is not None
         try:
-            self.channel.handshake("draft", self.handshake_timeout_s)
-            self.server.serve(self._stop)
+            if handshake:
+                self.channel.handshake("draft", self.handshake_timeout_s)
+            self.server.serve(self._pause)
         except Exception:
             log.exception("draft: the round loop stopped")

@@ -394,10 +394,8 @@ process), next-token agreement at the positions that predict them. `int8` is per
 asymmetric; `rtn` and `awq` are int4, group {group_size} (or the largest divisor the report names);
 drafts compute in `{draft_mode}` mode (`DraftModel.load`).
 AWQ calibrates on the first {calib_tokens} tokens of `specter/assets/prompts/calibration.txt` (excerpts
-of the training split; the held-out prompts come from held-out files only) and on the target's own
-greedy continuations ({calib_generate_tokens} tokens) of {calib_generate} windows of {calib_generate_prompt} of those tokens
-(self-generated calibration; never the held-out prompts): per expert it searches input-channel
-scales (plain and weight-magnitude "duo" form) and then per-group clipping ratios, both against
+of the training split; the held-out prompts come from held-out files only){self_generated}: per expert
+it searches input-channel scales (plain and weight-magnitude "duo" form) and then per-group clipping ratios, both against
 the expert's router-weighted output error on the tokens routed to it (`docs/draft.md`).
 
 The verdict compares the exact (unrounded) numbers, every column: AWQ must be no worse than RTN
@@ -417,11 +415,14 @@ output error) measures the drafts' closeness to the target directly.
 def write_doc(path: Path, results: list[dict[str, Any]], command: str, args: argparse.Namespace) -> None:
     from specter.draft.calibrate import GenerationSpec
 
-    generation = GenerationSpec(windows=args.calib_generate)
+    g = GenerationSpec(windows=args.calib_generate)
+    self_generated = (
+        f" and on the target's own greedy continuations ({g.new_tokens} tokens) of {g.windows} windows of "
+        f"{g.prompt_tokens} of those tokens (self-generated calibration; never the held-out prompts)"
+        if g.windows else ""
+    )
     head = DOC_HEAD.format(calib_tokens=args.calib_tokens, group_size=args.group_size, bootstrap=args.bootstrap,
-                            draft_mode=args.draft_mode, calib_generate=generation.windows,
-                            calib_generate_tokens=generation.new_tokens,
-                            calib_generate_prompt=generation.prompt_tokens)
+                            draft_mode=args.draft_mode, self_generated=self_generated)
     parts = [head, "## Results", "", "```", command, "```", ""]
     for result in results:
         parts += [model_section(result), ""]

@@ -74,10 +74,14 @@ def link_for(profile: Profile, step_s: float, bytes_per_token: int) -> LinkConfi
     return LinkConfig(kind="sim", bandwidth=profile.sim_bandwidth(step_s, bytes_per_token), latency=0.0)
 
 
+def budget_fraction(config: BenchConfig, profile: Profile) -> float:
+    """The device's expert slots under ``profile``, as a fraction: the run's if given, else the profile's."""
+    return profile.budget if config.budget is None else config.budget
+
+
 def budget_for(config: BenchConfig, profile: Profile) -> SlotConfig:
-    """The device's expert slots under ``profile``: the run's budget if given, else the profile's."""
-    fraction = profile.budget if config.budget is None else config.budget
-    return SlotConfig(fraction=fraction, per_layer=config.per_layer)
+    """The device's expert slots under ``profile``."""
+    return SlotConfig(fraction=budget_fraction(config, profile), per_layer=config.per_layer)
 
 
 def load_target(config: BenchConfig, link: LinkConfig, profile: Profile, policy: str) -> OffloadedTarget:
@@ -116,7 +120,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     for name in config.profiles:
         profile = PROFILES[name]
         link = link_for(profile, step_s, per_token)
-        budget = profile.budget if config.budget is None else config.budget
+        budget = budget_fraction(config, profile)
         log.info("profile %s: rho %.1f, budget %.0f%%, simulated link %.2f MB/s", name, profile.rho, budget * 100,
                  link.bandwidth / 1e6)
         runs = _run_profile(config, draft, link, progress, profile)

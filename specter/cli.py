@@ -16,7 +16,7 @@ import torch
 
 from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, parse_bytes
-from specter.draft.cli import add_quantize_command, run_quantize
+from specter.draft.cli import add_quantize_command, positive_int, run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
 
@@ -56,16 +56,6 @@ def _size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}") from None
-    return value
 
 
 def _policy(text: str) -> str:
@@ -109,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--link", type=_link, default=None,
                      help="cuda | PROFILE (e.g. mixtral-pcie4: its offload pressure on this machine) | "
                           "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -146,7 +136,7 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
     batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
     batch.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
-    batch.add_argument("--max-new-tokens", type=_positive_int, default=32, help="default for lines without one")
+    batch.add_argument("--max-new-tokens", type=positive_int, default=32, help="default for lines without one")
     batch.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
     batch.add_argument("--top-p", type=float, default=1.0)
     batch.add_argument("--top-k", type=int, default=0)
@@ -154,7 +144,7 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--address", default="local",
                        help="'local' (start a local Ray, the default), 'auto' (the running cluster, e.g. inside "
                             "`ray job submit`) or HOST:PORT")
-    batch.add_argument("--replicas", type=_positive_int, default=1,
+    batch.add_argument("--replicas", type=positive_int, default=1,
                        help="engine trios (one per GPU on a GPU cluster, spread over the nodes)")
     batch.add_argument("--on-bad-line", choices=("skip", "stop"), default="skip",
                        help="a malformed input line: report it and go on (skip), or report all and stop before "
@@ -164,7 +154,7 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--retries", type=int, default=2, help="retries of a prompt whose replica failed")
     batch.add_argument("--timeout", type=float, default=60.0,
                        help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
-    batch.add_argument("--num-cpus", type=_positive_int, default=2, help="CPUs of a local Ray")
+    batch.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of a local Ray")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -174,8 +164,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--model", default=str(DEFAULT_MODEL))
     bench.add_argument("--draft", default=None, help="draft folder (default: the model's shipped AWQ draft)")
     bench.add_argument("--prompts", default=None, help="JSONL with a 'prompt' per line (default: shipped held-out)")
-    bench.add_argument("--num-prompts", type=_positive_int, default=20)
-    bench.add_argument("--new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--num-prompts", type=positive_int, default=20)
+    bench.add_argument("--new-tokens", type=positive_int, default=128)
     bench.add_argument("--profiles", default="qwen2moe-pcie4,dsv2lite-pcie4",
                        help=f"comma-separated, from: {', '.join(PROFILES)}")
     bench.add_argument("--policies", default=",".join(POLICIES))

@@ -26,9 +26,9 @@ still generates the same tokens and reads what each actor counted. Ray is import
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -265,16 +265,13 @@ def fuzz_through_verifier(verifier: Any, draft: Any, target: Target, seed: int, 
 
     channel = verifier.proposer.channel
     start = ray.get(draft.__ray_call__.remote(actor_counts))["frames"]
-    fuzzer, sent, answers = FrameFuzzer(target, seed), Counter[str](), 0
-    for _ in range(n):
-        category, parts = fuzzer.frame()
-        while True:
-            try:
-                channel.socket.send_multipart(parts, zmq.NOBLOCK)
-                break
-            except zmq.Again:  # the draft is busy or waits for us to read: read, then retry
-                answers += _drain(channel, 0.01)
-        sent[category] += 1
+    fuzzer, answers = FrameFuzzer(target, seed), 0
+
+    def read_answers() -> None:  # the draft is busy or waits for us to read: read, then retry
+        nonlocal answers
+        answers += _drain(channel, 0.01)
+
+    sent = _send_frames(channel, fuzzer, n, read_answers)
     deadline = time.monotonic() + timeout_s
     while ray.get(draft.__ray_call__.remote(actor_counts))["frames"] - start < n:
         if time.monotonic() > deadline:
@@ -287,28 +284,16 @@ def fuzz_through_verifier(verifier: Any, draft: Any, target: Target, seed: int, 
 def draft_sends_to_verifier(draft: Any, target: Target, seed: int, n: int, timeout_s: float) -> dict:
     """Run inside the draft actor: pause its serving thread (so its pair socket has one user),
     send ``n`` frames to the verifier on it, then serve again."""
-    draft._stop.set()
-    draft._thread.join(timeout=timeout_s)
-    channel, fuzzer, sent = draft.channel, FrameFuzzer(target, seed), Counter[str]()
+    fuzzer = FrameFuzzer(target, seed)
     deadline = time.monotonic() + timeout_s
-    try:
-        for _ in range(n):
-            category, parts = fuzzer.frame()
-            while True:
-                try:
-                    channel.socket.send_multipart(parts, zmq.NOBLOCK)
-                    break
-                except zmq.Again:  # the verifier reads as fast as it can: wait for room
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"the verifier took fewer than {n} frames within {timeout_s:.0f}s") from None
-                    time.sleep(0.001)
-            sent[category] += 1
-    finally:
-        draft._stop = threading.Event()
-        draft._thread = threading.Thread(target=draft.server.serve, args=(draft._stop,), name="specter-draft",
-                                         daemon=True)
-        draft._thread.start()
-        threading.Thread(target=draft._publish, name="specter-draft-metrics", daemon=True).start()
+
+    def wait_for_room() -> None:  # the verifier reads as fast as it can
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the verifier took fewer than {n} frames within {timeout_s:.0f}s")
+        time.sleep(0.001)
+
+    with draft.serving_paused(timeout_s) as channel:
+        sent = _send_frames(channel, fuzzer, n, wait_for_room)
     return {"sent": dict(sent), "skipped": fuzzer.skipped}
 
 
@@ -332,6 +317,22 @@ def verifier_reads(verifier: Any, n: int, timeout_s: float) -> dict[str, Any]:
         "unsent_errors": 0,
         "serving": True,
     }
+
+
+def _send_frames(channel: Any, fuzzer: FrameFuzzer, n: int, when_full: Callable[[], None]) -> Counter[str]:
+    """Send ``n`` fuzzed frames on ``channel``'s socket without blocking, calling ``when_full``
+    whenever the peer has no room yet; returns how many of each category were sent."""
+    sent = Counter[str]()
+    for _ in range(n):
+        category, parts = fuzzer.frame()
+        while True:
+            try:
+                channel.socket.send_multipart(parts, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                when_full()
+        sent[category] += 1
+    return sent
 
 
 def _drain(channel: Any, wait_s: float) -> int:

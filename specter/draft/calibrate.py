@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specter.experts.store import ExpertStore
+from specter.fidelity import greedy_continuation
 from specter.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -78,20 +79,6 @@ def prompt_windows(token_ids: list[int], windows: int, length: int) -> list[list
         return []
     starts = sorted({round(i * last / max(1, windows - 1)) for i in range(windows)}) if windows > 1 else [0]
     return [list(token_ids[s : s + length]) for s in starts]
-
-
-@torch.inference_mode()
-def greedy_continue(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    """The model's greedy continuation of ``prompt``: exactly ``new_tokens`` ids (EOS ignored)."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, len(prompt) :].tolist()]
 
 
 class _Reservoir:
@@ -244,7 +231,7 @@ def _record_generated(
     for n, prompt in enumerate(windows):
         recorder.recording = False
         try:
-            sequence = prompt + greedy_continue(loaded.model, prompt, new_tokens)
+            sequence = prompt + greedy_continuation(loaded.model, prompt, new_tokens)
         finally:
             recorder.recording = True
         loaded.model(input_ids=torch.tensor([sequence]), use_cache=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from specter.draft.awq import METHODS
@@ -19,24 +20,23 @@ from specter.models.checkpoint import CheckpointError
 log = logging.getLogger(__name__)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``, else an error saying it expected ``what``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+positive_int = int_at_least(1, "a positive integer")
+non_negative_int = int_at_least(0, "a non-negative integer")
 
 
 def _existing_file(text: str) -> Path:
@@ -57,7 +57,7 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
         default="awq",
         help="awq (int4, activation-aware), rtn (int4 round-to-nearest), int8 (default awq)",
     )
-    cmd.add_argument("--group-size", type=_positive_int, default=128, help="int4 group size (default 128)")
+    cmd.add_argument("--group-size", type=positive_int, default=128, help="int4 group size (default 128)")
     cmd.add_argument(
         "--calib-file",
         type=_existing_file,
@@ -65,11 +65,11 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
         help="calibration text (default: the packaged calibration.txt)",
     )
     cmd.add_argument(
-        "--calib-tokens", type=_positive_int, default=4096, help="calibration tokens (default 4096)"
+        "--calib-tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)"
     )
     cmd.add_argument(
         "--calib-generate",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="also calibrate on the target's greedy continuations of N windows of the calibration text "
@@ -77,7 +77,7 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
     )
     cmd.add_argument(
         "--calib-generate-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         metavar="N",
         help="tokens generated per window (default 64)",

@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 REPORT = "draft_report.json"
 # Bumped whenever the same flags would quantize differently (2: AWQ clipping, duo scales,
-# expert-output loss weighted by the router; 3: self-generated calibration by default); tools
-# that cache drafts compare it.
+# expert-output loss weighted by the router; 3: the report records self-generated calibration,
+# off by default, and with it off the weights equal version 2's); tools that cache drafts compare it.
 QUANTIZER_VERSION = 3
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", REPORT}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

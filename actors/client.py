@@ -1,50 +1,26 @@
 """The driver-side client: attach to (or start) Ray, launch a replica, generate.
 
-``Client(model, draft, ..., address="local")`` starts a local Ray (tests, one machine);
-``address="auto"`` attaches to a running cluster (``ray start --head``; on loopback set
-``RAY_NODE_IP_ADDRESS=127.0.0.1``, see NOTES.md); ``address=None`` uses a Ray that this process
-already initialized.
+``Client(model, draft, ..., address="local")`` starts an embedded Ray (one machine: loopback only,
+token authentication); ``address="auto"`` or ``"HOST:PORT"`` attaches to a running cluster
+(``ray start --head``, its token in ``RAY_AUTH_TOKEN`` or ``~/.ray/auth_token``) within
+``connect_timeout_s`` or raises ``ConnectError``; ``address=None`` uses a Ray that this process
+already initialized. See ``actors/cluster.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, init_ray
 from actors.launcher import EngineHandle, launch
 from specter.config import LinkConfig, SlotConfig
 from specter.target import _load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def init_ray(address: str | None, num_cpus: int = 2) -> None:
-    """``"local"``/None: start a local Ray; ``"auto"``/``HOST:PORT``/``ray://…``: attach to a cluster."""
-    if address in (None, "local"):
-        # Ray 2.60 would otherwise write ~/.ray/auth_token and switch later clusters and the
-        # `ray` CLI on this machine to token authentication (NOTES.md).
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-        return
-    if address == "auto" and _current_cluster().startswith("127.0.0.1:"):
-        # a head started with --node-ip-address=127.0.0.1: this driver must register on loopback too
-        os.environ.setdefault("RAY_NODE_IP_ADDRESS", "127.0.0.1")
-    ray.init(address=address)
-
-
-def _current_cluster() -> str:
-    """The address ``address="auto"`` resolves to (``RAY_ADDRESS``, else the newest local head)."""
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    try:
-        return Path(tempfile.gettempdir(), "ray", "ray_current_cluster").read_text().strip()
-    except OSError:
-        return ""
 
 
 class Client:
@@ -59,24 +35,23 @@ class Client:
         address: ``"local"`` (start Ray here), ``"auto"``/``"ray://…"``/``"HOST:PORT"`` (attach),
             or None (Ray is already initialized by the caller).
         num_cpus: CPUs of a local Ray.
+        timeout_s: the actors' peer and handshake timeouts.
+        connect_timeout_s: how long attaching to a cluster may take before ``ConnectError``.
     """
 
     def __init__(
         self, model: str | Path, draft: str | Path | None = None, budget: SlotConfig | None = None,
         link: LinkConfig | None = None, policy: str = "specter", address: str | None = "local", num_cpus: int = 2,
-        timeout_s: float = 60.0,
+        timeout_s: float = 60.0, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     ):
         self._owns_ray = False
         if not ray.is_initialized():
-            self._init_ray(address, num_cpus)
+            init_ray(address, num_cpus, connect_timeout_s)
+            self._owns_ray = True
         self.tokenizer = _load_tokenizer(Path(model))
         self.handle: EngineHandle = launch(
             model, draft, budget or SlotConfig(fraction=0.5), link or LinkConfig(), policy, timeout_s=timeout_s
         )
-
-    def _init_ray(self, address: str | None, num_cpus: int) -> None:
-        init_ray(address, num_cpus)
-        self._owns_ray = True
 
     def generate(
         self, prompts: list[str] | list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,

@@ -2,7 +2,8 @@
 
 ``launch`` returns an ``EngineHandle``: ``generate`` (one Ray call per request) and ``shutdown``
 (actors closed and killed, sockets closed, ipc directory removed, shared memory unlinked,
-placement group removed).
+placement group removed). Once wired, a replica is *sealed* (``TransferActor.seal``): its shared
+memory and ipc directory have no names left, so a crash anywhere leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def launch(
     node_ip: str | None = None,
     gpu: bool = False,
     startup_timeout_s: float = 300.0,
+    sealed: bool = True,
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -101,6 +103,8 @@ def launch(
         gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
         startup_timeout_s: how long the actors may take to start and load the model (worker start-up
             and loading, slow on a busy machine; separate from the peer timeouts).
+        sealed: unlink the shared memory and the ipc directory once wired (False keeps the sockets
+            reachable for the wire fuzzer, which connects peers of its own later).
 
     Raises:
         TimeoutError: the cluster has no room for the placement group (or an actor did not start).
@@ -140,6 +144,8 @@ def launch(
                           [f"specter-{replica}-{r}" for r in roles])
     try:
         _wire(handle, timeout_s, startup_timeout_s)
+        if sealed:
+            ray.get(handle.transfer.seal.remote(startup_timeout_s), timeout=startup_timeout_s + 10)
     except BaseException:
         handle.shutdown()
         raise

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import ray
 import torch
 
+from actors.cluster import start_local
 from actors.launcher import launch
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import load_draft
@@ -65,8 +65,7 @@ def main() -> None:
     torch.set_num_threads(1)
     budget, link = SlotConfig.parse(args.budget), LinkConfig.parse(args.link)
     result = {"in_process": _in_process(args, budget, link)}
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local(2, log_to_driver=False)
     try:
         result["actors"] = _actors(args, budget, link)
     finally:

@@ -3,7 +3,12 @@
 It creates the slot pool's storage as ``SharedSlots`` (and the link counters next to it) and a
 private ipc directory, binds the pull socket the verifier's ``RemoteLink`` pushes commands to,
 and serves them in a background thread (``specter.experts.transfer_server``). Control plane only
-through Ray: ``info``, ``start``, ``counters``, ``close``.
+through Ray: ``info``, ``start``, ``seal``, ``counters``, ``close``.
+
+``seal`` runs once the verifier has mapped the shared memory and connected both sockets: it removes
+the segments' names and the ipc directory. The memory and the connections live on (POSIX keeps a
+segment until its last unmap; a connected socket needs no file), so a crash of any process — an
+actor, the driver, Ray itself — leaves nothing behind in ``/dev/shm`` or the temp directory.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class TransferActor:
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
         self._stop = threading.Event()
+        self._handshaken = threading.Event()  # the verifier's Hello arrived: its socket is connected
         self._thread: threading.Thread | None = None
         log.info("transfer: %d experts in host memory, %d shared slots (%s)", len(self.store.layers)
                  * self.store.num_experts, num_slots, self.prefix)
@@ -86,6 +92,20 @@ class TransferActor:
             self._thread = threading.Thread(target=self._serve, name="specter-transfer", daemon=True)
             self._thread.start()
             threading.Thread(target=self._publish, name="specter-transfer-metrics", daemon=True).start()
+
+    def seal(self, timeout_s: float) -> None:
+        """Once the verifier is connected, remove the names of the shared memory and the ipc
+        directory (nothing else can attach or connect afterwards; nothing outlives a crash).
+
+        Raises:
+            TimeoutError: the verifier's handshake did not arrive within ``timeout_s``.
+        """
+        if not self._handshaken.wait(timeout_s):
+            raise TimeoutError(f"transfer: no verifier handshake within {timeout_s:.0f}s; not sealed")
+        self.slots.unlink()
+        self.shared_counters.unlink()
+        self.ipc.cleanup()
+        log.info("transfer: sealed %s (shared memory and ipc directory unlinked, still mapped)", self.prefix)
 
     def wire_counters(self) -> dict[str, Any]:
         """Frames received on the command socket, dropped per reason, refused per reason."""
@@ -131,6 +151,7 @@ class TransferActor:
     def _serve(self) -> None:
         try:
             self.channel.handshake("transfer", self.handshake_timeout_s)
+            self._handshaken.set()
             self.server.serve(self._stop)
         except Exception:
             log.exception("transfer: the command loop stopped")

@@ -34,9 +34,12 @@ from specter.target import OffloadedTarget
 log = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
 class VerifierActor:
     """The verify side of the engine.
+
+    Requests run one at a time; ``progress`` and ``pid`` answer from their own thread (the
+    ``control`` concurrency group) while a request runs.
 
     Args:
         model_dir: the target checkpoint.
@@ -54,6 +57,8 @@ class VerifierActor:
         self.target: OffloadedTarget | None = None
         self.proposer: RemoteProposer | None = None
         self.channels: list[Channel] = []
+        self._requests = 0  # requests started since the actor started
+        self._engine: Engine | None = None  # the running (or last) request's engine
 
     def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None) -> int:
         """Attach the shared slots, connect and handshake both channels, fill the initial slots.
@@ -85,6 +90,7 @@ class VerifierActor:
         Its figures go to the replica's metrics; a request that raises counts as an error.
         """
         self.metrics.set("specter_queue_depth", 1)
+        self._requests += 1
         try:
             out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
                                  eos_token_id, untimed_prefill)
@@ -96,9 +102,18 @@ class VerifierActor:
         self.metrics.request(out["stats"])
         return out
 
+    @ray.method(concurrency_group="control")
     def pid(self) -> int:
-        """This worker's process id (fault-injection tests)."""
+        """This worker's process id (fault injection; answers while a request runs)."""
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict[str, int | bool]:
+        """Where the actor is: ``requests`` started so far, whether one is ``active``, and the tokens
+        ``committed`` by the running (or last) request. Answers while a request runs."""
+        engine = self._engine
+        return {"requests": self._requests, "active": engine is not None and engine.active,
+                "committed": engine.committed if engine is not None else 0}
 
     def _generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
@@ -111,6 +126,7 @@ class VerifierActor:
         if k and self.proposer is None:
             raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")
         engine = Engine(self.target, window=k, proposer=self.proposer if k else None, untimed_prefill=untimed_prefill)
+        self._engine = engine
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id)
         return {"tokens": tokens, "stats": stats.to_dict()}

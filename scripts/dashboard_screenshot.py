@@ -10,6 +10,10 @@ dashboard lists actors named ``specter-*``, then save PNGs of the Overview, Clus
 The workload gets ``RAY_ADDRESS`` (this head's GCS) in its environment, so ``--address auto`` finds
 it. Without ``--attach`` the head lives in this process (``ray.init``) and ends with it; nothing else
 on the machine is touched (no ``ray stop``). Needs a headless Chromium (``apt-get install chromium``).
+The head requires Ray's token (``RAY_AUTH_TOKEN``, made here, inherited by the workload); this
+script's API calls send it. The headless browser is not handed the token, so pages that Ray's
+dashboard protects show its token prompt: the images in docs/ were taken before token
+authentication was turned on and have not been re-taken.
 """
 
 from __future__ import annotations
@@ -59,16 +63,18 @@ def free_port() -> int:
 
 
 def start_head(port: int, num_cpus: int, metrics_port: int) -> str:
-    """A Ray head owned by this process, dashboard on 127.0.0.1:port; returns its GCS address."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """A Ray head owned by this process (loopback, token authentication: ``actors.cluster``), dashboard
+    on 127.0.0.1:port; returns its GCS address."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
+    from actors.cluster import start_local
+
     for attempt in range(1, 4):
         try:
-            context = ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                               dashboard_port=port, _metrics_export_port=metrics_port)
-            return context.address_info["gcs_address"]
+            start_local(num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+                        _metrics_export_port=metrics_port)
+            return str(ray.get_runtime_context().gcs_address)
         except Exception as exc:  # Ray gives its raylet 30 s to register: a busy machine can miss that
             if "timed out during startup" not in str(exc) or attempt == 3:
                 raise
@@ -84,7 +90,7 @@ def _metrics_port() -> int:
 
 
 def start_workload(command: list[str], gcs: str | None) -> subprocess.Popen:
-    env = dict(os.environ, RAY_NODE_IP_ADDRESS="127.0.0.1", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")  # with this head's RAY_AUTH_MODE and RAY_AUTH_TOKEN
     if gcs:
         env["RAY_ADDRESS"] = gcs
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -111,7 +117,8 @@ def _rows(payload: Any) -> list[dict]:
 def specter_actors(port: int) -> list[tuple[str, str]]:
     """``(name, state)`` of the dashboard's actors named ``specter-*``."""
     url = f"http://127.0.0.1:{port}/api/v0/actors?limit=10000&detail=false"
-    with urllib.request.urlopen(url, timeout=10) as response:
+    headers = {"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"} if os.environ.get("RAY_AUTH_TOKEN") else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
         rows = _rows(json.load(response))
     found = [(r.get("name") or "", r.get("state") or "") for r in rows]
     return sorted((n, s) for n, s in found if n.startswith("specter-"))

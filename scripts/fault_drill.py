@@ -1,18 +1,19 @@
 """Fault drill: kill each actor of a replica, both ways, mid-batch; check every result once and identical.
 
 For each (role, how) in {transfer, draft, verifier} x {ray.kill, SIGKILL} it runs a batch of the
-shipped held-out prompts through one replica, kills replica r0's ``role`` actor a moment after
-the first result (while the next prompt runs), and compares the results file with a fault-free
-run of the same prompts: same ids, each exactly once, same tokens. Prints one line per drill.
+shipped held-out prompts through one replica, kills replica r0's ``role`` actor once its verifier
+is inside the second request with tokens committed (``actors.faults.KillInRequest``: tied to the
+replica's state, not to a clock), and compares the results file with a fault-free run of the same
+prompts: same ids, each exactly once, same tokens, and the kill seen inside the request. The second
+prompt asks for ``--long-tokens`` so that a kill fired inside it lands inside it. One line per drill.
 
-    python scripts/fault_drill.py [--prompts 5] [--new-tokens 24] [--model DIR --draft DIR]
+    python scripts/fault_drill.py [--prompts 5] [--new-tokens 24] [--long-tokens 96] [--model DIR --draft DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -23,7 +24,8 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch import BatchOptions, run_batch  # noqa: E402
-from actors.faults import kill_after_first  # noqa: E402
+from actors.cluster import start_local  # noqa: E402
+from actors.faults import KillInRequest  # noqa: E402
 from specter.assets import ASSETS  # noqa: E402
 from specter.config import LinkConfig, SlotConfig  # noqa: E402
 from specter.jobs import BatchItem, ResultsFile, errors_path  # noqa: E402
@@ -37,26 +39,30 @@ def main() -> int:
     parser.add_argument("--draft", default=str(ASSETS / "moe-fine-awq"))
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--delay", type=float, default=0.5, help="seconds after the first result to kill")
+    parser.add_argument("--long-tokens", type=int, default=96, help="new tokens of the second prompt (killed)")
     parser.add_argument("--timeout", type=float, default=10.0, help="actors' peer timeout")
     args = parser.parse_args()
     rows = read_jsonl(HELDOUT)[: args.prompts]
     items = [BatchItem(str(i), row["prompt"], i + 1, args.new_tokens, 0.0, 0) for i, row in enumerate(rows)]
+    items[1].max_new_tokens = args.long_tokens
     tokenizer = _load_tokenizer(Path(args.model))
     assert tokenizer is not None
     options = BatchOptions(args.model, args.draft, SlotConfig(fraction=0.5), LinkConfig.parse("sim:4"),
                            policy="specter", window=4, timeout_s=args.timeout)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local(2, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="specter-drill-"))
 
-    def batch(name: str, hook=None):
+    def batch(name: str, fault: KillInRequest | None = None):
         out = work / f"{name}.jsonl"
         results = ResultsFile(out)
         t0 = time.monotonic()
+        if fault is not None:
+            fault.start()
         report = run_batch(items, results, out, options, lambda t: list(tokenizer.encode(t)),
-                           lambda ids: str(tokenizer.decode(ids)), on_result=hook)
+                           lambda ids: str(tokenizer.decode(ids)))
         results.close()
+        if fault is not None:
+            fault.join()
         return report, [json.loads(line) for line in out.read_text().splitlines()], time.monotonic() - t0, out
 
     _, clean, wall, _ = batch("clean")
@@ -65,15 +71,21 @@ def main() -> int:
     failures = 0
     for role in ("transfer", "draft", "verifier"):
         for how in ("ray.kill", "SIGKILL"):
-            report, rows, wall, out = batch(f"{role}-{how}", kill_after_first(role, how, args.delay))
+            fault = KillInRequest(role, how, nth=2)
+            report, rows, wall, out = batch(f"{role}-{how}", fault)
             ids = [row["id"] for row in rows]
             once = sorted(ids) == sorted(want) and len(ids) == len(set(ids))
             same = all(row["tokens"] == want[row["id"]] for row in rows)
-            ok = once and same and report.failed == 0 and not errors_path(out).exists()
+            seen = fault.fired or {}
+            inside = seen.get("requests") == 2 and 1 <= seen.get("committed", 0) < args.long_tokens
+            ok = once and same and inside and report.failed == 0 and report.retried >= 1 \
+                and not errors_path(out).exists()
             failures += not ok
-            print(f"{'PASS' if ok else 'FAIL'}  kill {role:8s} by {how:8s}: {len(rows)}/{len(want)} results, "
-                  f"each once: {once}, identical: {same}, restarts {report.restarts}, retried {report.retried}, "
-                  f"failed {report.failed}, {wall:.1f}s")
+            where = f"killed at {seen.get('committed')}/{args.long_tokens} tokens of request 2" if inside \
+                else f"not inside a request: {fault.fired or fault.error}"
+            print(f"{'PASS' if ok else 'FAIL'}  kill {role:8s} by {how:8s}: {where}, {len(rows)}/{len(want)} "
+                  f"results, each once: {once}, identical: {same}, restarts {report.restarts}, retried "
+                  f"{report.retried}, failed {report.failed}, {wall:.1f}s")
     ray.shutdown()
     return 1 if failures else 0
 

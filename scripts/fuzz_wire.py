@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,14 +55,15 @@ def main() -> int:
 
     import ray
 
+    from actors.cluster import start_local
     from actors.launcher import launch
     from specter.config import LinkConfig, SlotConfig
     from specter.fuzz import fuzz_engine
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local(2, log_to_driver=False)
     try:
-        handle = launch(args.model, args.draft, SlotConfig(fraction=0.5), LinkConfig.parse("sim:4"), policy="specter")
+        handle = launch(args.model, args.draft, SlotConfig(fraction=0.5), LinkConfig.parse("sim:4"), policy="specter",
+                        sealed=False)  # the fuzzer connects peers of its own to the sockets
         try:
             t0 = time.perf_counter()
             report = fuzz_engine(handle, _prompt(args.model, args.prompt), args.new_tokens, args.frames,

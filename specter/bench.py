@@ -189,16 +189,14 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
 
 def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig) -> tuple[Any, bool]:
     """One engine trio on a local Ray (started here if none is running)."""
-    import os
-
     import ray
 
+    from actors.cluster import start_local
     from actors.launcher import launch
 
     started = not ray.is_initialized()
     if started:  # a local Ray for this profile, shut down with the trio
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local(2, log_to_driver=False)
     return launch(config.model, config.draft, budget, link, policy=ACTORS_POLICY), started
 
 

@@ -79,6 +79,17 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specter", description="Speculative expert offloading for MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -113,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=None,
                      help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
                           "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
+    gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
+                     help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
     _add_batch(commands)
     _add_bench(commands)
     add_quantize_command(commands)
@@ -155,6 +168,8 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--timeout", type=float, default=60.0,
                        help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
     batch.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of a local Ray")
+    batch.add_argument("--connect-timeout", type=_seconds, default=30.0,
+                       help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -359,7 +374,8 @@ def _through_actors(args, parser, link, budget, window, sampling):  # type: igno
 
     vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
     address = None if args.address == "none" else args.address
-    with Client(args.model, args.draft, budget, link, args.policy, address=address) as client:
+    with Client(args.model, args.draft, budget, link, args.policy, address=address,
+                connect_timeout_s=args.connect_timeout) as client:
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
@@ -413,7 +429,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer; batch prompts are text")
     from actors.batch import BatchOptions, run_batch
-    from actors.client import init_ray
+    from actors.cluster import init_ray
 
     options = BatchOptions(
         str(args.model), args.draft, budget, link, args.policy, window, sampling.top_p, sampling.top_k,
@@ -421,7 +437,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        init_ray(args.address, args.num_cpus)
+        init_ray(args.address, args.num_cpus, args.connect_timeout)
     t0 = time.monotonic()
     progress = Progress(len(todo))
     try:

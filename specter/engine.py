@@ -65,6 +65,8 @@ class Engine:
         # Benchmarks may run the prompt's prefill over an unthrottled simulated link: TPOT starts
         # at the first token, so this changes no reported figure and saves the wall time.
         self.untimed_prefill = untimed_prefill
+        self.active = False  # a request is running (read from other threads: progress reports)
+        self.committed = 0  # tokens the running (or last) request has committed so far
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -73,6 +75,15 @@ class Engine:
         """Up to ``max_new_tokens`` new token ids after ``prompt_ids``, and the request's stats."""
         sampling = sampling or SamplingConfig()
         self._check_request(prompt_ids, max_new_tokens)
+        self.active, self.committed = True, 0
+        try:
+            return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
+        finally:
+            self.active = False
+
+    def _generate(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_token_id: int | None
+    ) -> tuple[list[int], RequestStats]:
         gen = torch.Generator().manual_seed(sampling.seed)
         before = (self.target.offload.counters.snapshot(), _link_state(self.target), _host_state(self.target))
         self.policy.begin_request()
@@ -90,6 +101,7 @@ class Engine:
                 link.timed = timed  # type: ignore[attr-defined]
         seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
         commits = [time.perf_counter()]
+        self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
         if self.proposer is not None:
             self.proposer.prefill(prompt_ids, sampling)
@@ -99,6 +111,7 @@ class Engine:
             new = self._round(round_id, seq, tcache, min(self.window, remaining - 1), sampling, gen, tally)
             seq += _until_eos(new[:remaining], eos_token_id)
             commits += [time.perf_counter()] * len(new[:remaining])
+            self.committed = len(seq) - len(prompt_ids)
             round_id += 1
         tokens = seq[len(prompt_ids):]
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)

@@ -50,9 +50,13 @@ class SharedCounters:
         words = self._words.copy()
         return int(words[0]), float(words[1]), int(words[2])
 
+    def unlink(self) -> None:
+        """Remove the name (the mappings stay valid); idempotent."""
+        _shm_unlink(self.name)
+
     def close(self) -> None:
         """Unmap; the creator also removes the name."""
         self._words = np.zeros(WORDS, dtype="<f8")
         self._shm.close()
         if self.owner:
-            _shm_unlink(self.name)
+            self.unlink()

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import ray
 from tiny_models import noisy_copy
 
+from actors.cluster import start_local
+
 
 @pytest.fixture(scope="module")
 def local_ray():
     started = not ray.is_initialized()
     if started:
-        # Ray 2.60 otherwise writes ~/.ray/auth_token, which switches every later local cluster and
-        # the `ray` CLI to token authentication (NOTES.md).
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local(2, log_to_driver=False)  # loopback, token authentication, as every Ray we start
     yield
     if started:
         ray.shutdown()

@@ -20,13 +20,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.batch import BatchOptions, run_batch
-from actors.faults import kill_after_first
+from actors.faults import KillInRequest
 from actors.launcher import launch
 from specter.config import LinkConfig, SlotConfig
 from specter.jobs import BatchItem, ResultsFile, errors_path
 
 LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 NEW = 8
+LONG = 96  # the request a fault lands in: long enough that the kill, fired inside it, lands inside it
 TEXTS = ["alpha beta", "gamma", "delta epsilon zeta", "eta theta", "iota kappa lambda mu", "nu"]
 
 
@@ -47,6 +48,15 @@ def reference(models) -> dict[str, list[int]]:
         gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         out[f"p{i}"] = gen[0, len(ids) :].tolist()
     return out
+
+
+@pytest.fixture(scope="module")
+def long_reference(models) -> list[int]:
+    """transformers' greedy continuation of prompt p1 to ``LONG`` tokens."""
+    model = AutoModelForCausalLM.from_pretrained(models[0], experts_implementation="eager")
+    ids = encode(TEXTS[1])
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=LONG, min_new_tokens=LONG, do_sample=False)
+    return gen[0, len(ids) :].tolist()
 
 
 def _items(n: int = len(TEXTS)) -> list[BatchItem]:
@@ -118,17 +128,24 @@ def test_a_bad_request_is_recorded_and_the_rest_finish(local_ray, models, refere
     # Every role and both ways of killing appear; scripts/fault_drill.py runs the full 3 x 2 matrix.
     ("role", "how"), [("transfer", "ray.kill"), ("draft", "SIGKILL"), ("verifier", "SIGKILL")]
 )
-def test_killed_actor_mid_batch_every_prompt_once_and_identical(local_ray, models, reference, tmp_path, role,
-                                                               how) -> None:
+def test_killed_actor_mid_batch_every_prompt_once_and_identical(local_ray, models, reference, long_reference,
+                                                               tmp_path, role, how) -> None:
     out = tmp_path / "results.jsonl"
+    items = _items(4)
+    items[1].max_new_tokens = LONG  # the second request, the one the kill lands in
+    want = dict(reference, p1=long_reference)
     results = ResultsFile(out)
-    report = run_batch(_items(4), results, out, _options(models, timeout_s=5.0), encode, decode,
-                       on_result=kill_after_first(role, how, delay_s=0.2))
+    fault = KillInRequest(role, how, nth=2).start()
+    report = run_batch(items, results, out, _options(models, timeout_s=5.0), encode, decode)
     results.close()
+    fault.join()
+    assert fault.fired is not None, fault.error
+    # it fired inside the second request, before that request had finished
+    assert fault.fired["requests"] == 2 and 1 <= fault.fired["committed"] < LONG, fault.fired
     rows = _read(out)
     assert sorted(r["id"] for r in rows) == ["p0", "p1", "p2", "p3"]  # each exactly once
-    assert all(r["tokens"] == reference[r["id"]] for r in rows)
-    assert report.failed == 0 and report.restarts >= 1
+    assert all(r["tokens"] == want[r["id"]] for r in rows)
+    assert report.failed == 0 and report.restarts >= 1 and report.retried >= 1, report
     assert not errors_path(out).exists()
 
 

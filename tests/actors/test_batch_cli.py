@@ -18,7 +18,7 @@ PROMPTS = {"a": "def parse_args(argv):", "b": "import os\n", "c": "class Config:
 
 
 def _batch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     return subprocess.run(
         [sys.executable, "-m", "specter.cli", "batch", *args, "--model", str(MODEL), "--draft", str(DRAFT),
          "--policy", "specter", "--window", "3", "--max-new-tokens", str(NEW), "--link", "sim:4"],

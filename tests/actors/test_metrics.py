@@ -6,7 +6,6 @@ alive, polling until every metric of ``actors.metrics.METRICS`` has been exporte
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import time
@@ -19,6 +18,7 @@ import ray
 from tiny_models import noisy_copy
 
 from actors.batch import BatchOptions, run_batch
+from actors.cluster import start_local
 from actors.metrics import METRICS
 from specter.config import LinkConfig, SlotConfig
 from specter.jobs import BatchItem, ResultsFile
@@ -54,8 +54,7 @@ def metrics_ray():
     if ray.is_initialized():
         ray.shutdown()
     port = _free_port()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port)
+    start_local(2, log_to_driver=False, _metrics_export_port=port)
     yield port
     ray.shutdown()
 

@@ -1,0 +1,176 @@
+"""Every Ray this project starts or joins: on loopback, with token authentication, connected in bounded time.
+
+* ``start_local`` — the embedded Ray (``--address local``, tests, scripts): every Ray process binds
+  127.0.0.1 and requires a token; unless ``RAY_AUTH_TOKEN`` is already set, a fresh random token is
+  made for this process and handed to Ray's processes through the environment (nothing is written
+  to ``~/.ray``).
+* ``attach`` — a running cluster (``auto``, ``HOST:PORT``): the address is probed first, so an
+  unreachable one fails at once with one line naming it; Ray's own connect is bounded by the same
+  budget; token authentication is on unless the caller's environment says otherwise (the token comes
+  from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``, as Ray looks for it).
+
+Ray replaces a loopback address (``127.0.0.1``, ``localhost``) by the machine's interface address
+before it binds or connects (``ray._private.services.resolve_ip_for_localhost``); ``_loopback_kept``
+leaves loopback as given while ``ray.init`` runs, so a one-machine Ray stays off the network and the
+address the user gave is the one used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+from ray._private import services
+from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+from ray.exceptions import AuthenticationError
+
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+LOOPBACK = "127.0.0.1"
+
+
+class ConnectError(ConnectionError):
+    """No Ray cluster could be reached or joined at an address (the message says what to check)."""
+
+
+def init_ray(address: str | None, num_cpus: int = 2, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    """``"local"``/None: start an embedded Ray; ``"auto"``/``HOST:PORT``/``ray://…``: attach to a cluster."""
+    if address in (None, "local"):
+        start_local(num_cpus)
+    else:
+        attach(address, connect_timeout_s)
+
+
+def start_local(num_cpus: int = 2, **options: Any) -> None:
+    """Start a Ray on this machine, bound to loopback, with token authentication (``options`` go to
+    ``ray.init``; the dashboard stays off unless they turn it on)."""
+    _token_auth(os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
+    options.setdefault("include_dashboard", False)
+    with _loopback_kept():
+        ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)
+
+
+def attach(address: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    """Join the cluster at ``address`` within ``timeout_s`` or raise ``ConnectError``.
+
+    Raises:
+        ConnectError: no cluster found (``auto``), the address does not answer, or Ray refused or
+            did not finish the connection in time (wrong or missing token, not a Ray head).
+        ValueError: ``address`` is not ``auto``, ``HOST:PORT`` or ``ray://HOST:PORT``.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"connect timeout: must be > 0 seconds, got {timeout_s}")
+    target = resolve(address)
+    deadline = time.monotonic() + timeout_s
+    host, port = _host_port(target)
+    _probe(address, host, port, timeout_s)
+    if os.environ.get("RAY_AUTH_MODE", "token") == "token":
+        _token_auth(os.environ.get("RAY_AUTH_TOKEN"))
+    # Ray retries its GCS connection once a second this many times (20 by default).
+    left = max(1, int(deadline - time.monotonic()))
+    env = {"RAY_gcs_server_port_wait_time_s": str(left)}
+    try:
+        with _loopback_kept(), _environ(env):
+            ray.init(address=target)
+    except (ConnectionError, RuntimeError, AuthenticationError) as exc:
+        refused = "token" in str(exc).lower() or isinstance(exc, AuthenticationError)
+        what = "the cluster refused this driver's token (missing or not the cluster's)" if refused \
+            else f"Ray did not finish connecting ({_first_line(exc)})"
+        raise ConnectError(_failure(address, target, what, timeout_s)) from None
+
+
+def resolve(address: str) -> str:
+    """The ``HOST:PORT`` (or ``ray://…``) that ``address`` names; ``auto`` reads ``RAY_ADDRESS``, else
+    the newest ``ray start`` head recorded on this machine."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    found = services.find_bootstrap_address(None)
+    if not found:
+        raise ConnectError("ray: --address auto found no running cluster on this machine (no RAY_ADDRESS, no "
+                           "`ray start --head` recorded); start one, or give --address HOST:PORT or local")
+    return found
+
+
+def node_address() -> str:
+    """The address this driver's Ray node registered with (``127.0.0.1`` for the embedded Ray)."""
+    return str(ray.get_runtime_context().worker.node.node_ip_address)  # type: ignore[union-attr]
+
+
+def _token_auth(token: str | None) -> None:
+    """Token authentication for this process and the Ray processes it starts (``token``: put in the
+    environment; None: Ray finds the token where it looks for one)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if token:
+        os.environ["RAY_AUTH_TOKEN"] = token
+    # Ray caches both when it is imported: refresh them, as Ray's own ``ray.init`` does.
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _probe(address: str, host: str, port: int, timeout_s: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+        raise ConnectError(_failure(address, f"{host}:{port}", f"nothing answers there ({reason})",
+                                    timeout_s)) from None
+
+
+def _failure(address: str, target: str, what: str, timeout_s: float) -> str:
+    given = target if address == target else f"{address} = {target}"
+    return (f"ray: could not join a cluster at {given} within {timeout_s:.0f}s: {what}. Check that `ray start "
+            f"--head` runs there, the node IP it was started with (--node-ip-address), and the token "
+            f"(RAY_AUTH_MODE=token with RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, the "
+            f"cluster's own)")
+
+
+def _host_port(target: str) -> tuple[str, int]:
+    rest = target.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {target!r}: expected auto, local, HOST:PORT or ray://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _loopback_kept() -> Iterator[None]:
+    """While it runs, Ray keeps a loopback host as given instead of swapping in the interface address."""
+    original = services.resolve_ip_for_localhost
+
+    def keep(host: str) -> str:
+        return host if _is_loopback(host) else original(host)
+
+    services.resolve_ip_for_localhost = keep
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables the caller has not set, for the duration only."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)

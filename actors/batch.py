@@ -164,8 +164,11 @@ def spread(replicas: int) -> list[dict[str, Any]]:
     return placements
 
 
-def _start(replica: _Replica, options: BatchOptions, launcher: Launcher) -> None:
-    for attempt in range(5):  # a killed actor's name is released asynchronously
+def _start(replica: _Replica, options: BatchOptions, launcher: Launcher, names_free_s: float = 120.0) -> None:
+    """Launch the replica's trio; a killed predecessor's actor names are released asynchronously, so
+    a launch refused for a taken name is retried until they are free (``names_free_s`` bounds a hang)."""
+    deadline = time.monotonic() + names_free_s
+    while True:
         try:
             replica.handle = launcher(
                 options.model,
@@ -179,9 +182,9 @@ def _start(replica: _Replica, options: BatchOptions, launcher: Launcher) -> None
             )
             return
         except ValueError as exc:
-            if "already" not in str(exc) or attempt == 4:
+            if "already" not in str(exc) or time.monotonic() > deadline:
                 raise
-            time.sleep(0.5 * (attempt + 1))
+            time.sleep(0.2)
 
 
 def _submit(

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 from ray._private import services
-from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+from ray._raylet import AuthenticationTokenLoader, Config, GcsClient  # type: ignore[attr-defined]
 from ray.exceptions import AuthenticationError
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
@@ -71,6 +71,8 @@ def attach(address: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
     _probe(address, host, port, timeout_s)
     if os.environ.get("RAY_AUTH_MODE", "token") == "token":
         _token_auth(os.environ.get("RAY_AUTH_TOKEN"))
+    if "://" not in target:
+        _check_token(address, target, timeout_s)
     # Ray retries its GCS connection once a second this many times (20 by default).
     left = max(1, int(deadline - time.monotonic()))
     env = {"RAY_gcs_server_port_wait_time_s": str(left)}
@@ -112,6 +114,17 @@ def _token_auth(token: str | None) -> None:
     # Ray caches both when it is imported: refresh them, as Ray's own ``ray.init`` does.
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _check_token(address: str, target: str, timeout_s: float) -> None:
+    """Ask the GCS once (it answers at once): a token it refuses fails here, named as such."""
+    try:
+        GcsClient(address=target)
+    except AuthenticationError:
+        raise ConnectError(_failure(address, target, "the cluster refused this driver's token (missing or not "
+                                    "the cluster's)", timeout_s)) from None
+    except Exception:  # anything else: ray.init below reports it, within the same budget
+        return
 
 
 def _probe(address: str, host: str, port: int, timeout_s: float) -> None:

@@ -127,8 +127,10 @@ def measure(kind: str, n: int, base: Path | None = None) -> list[float]:
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
 def test_plan_delta_round_trip_between_processes(kind: str, tmp_path: Path) -> None:
+    # every round trip returns the same PlanDelta (checked in _round_trips); how fast is a benchmark
+    # (`python tests/test_channel.py`, docs/wire.md), not a test: a loaded machine would fail it
     times = measure(kind, 300, tmp_path)
-    assert times[len(times) // 2] < 0.05  # generous: two shared cores; docs/wire.md has real numbers
+    assert len(times) == 300 and all(t > 0 for t in times)
 
 
 def test_pair_handshake_in_process_then_messages(tmp_path: Path) -> None:
@@ -149,14 +151,14 @@ def test_pair_handshake_in_process_then_messages(tmp_path: Path) -> None:
 def test_push_pull_handshake_and_timeouts() -> None:
     pull = Channel("pull", endpoint("tcp", 0), bind=True, peer="draft")
     push = Channel("push", pull.address, bind=False, peer="transfer")
-    assert push.handshake("draft", 2) is None
+    assert push.handshake("draft", 60) is None
     push.send(Cancel(1))
-    hello = pull.handshake("transfer", 2)
+    hello = pull.handshake("transfer", 60)
     assert hello is not None and hello.role == "draft"
-    assert pull.recv(2) == Cancel(1)
+    assert pull.recv(60) == Cancel(1)
     t0 = time.monotonic()
     assert pull.recv(0.05) is None
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0  # it gave up (a hang would not)
     with pytest.raises(ChannelError, match="cannot send"):
         pull.send(Cancel(1))
     push.close()

@@ -217,3 +217,27 @@ def test_dashboard_screenshot_script_reads_its_command_line_and_the_state_api():
     assert args.port == 8300 and args.command == ["specter", "batch", "p.jsonl", "--out", "r.jsonl"]
     payload = {"result": True, "data": {"result": {"total": 1, "result": [{"name": "specter-a-draft", "state": "ALIVE"}]}}}
     assert module._rows(payload) == [{"name": "specter-a-draft", "state": "ALIVE"}]
+
+
+def test_every_cluster_runs_with_token_authentication():
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = " ".join(launcher[key])
+        assert "export RAY_AUTH_MODE=token" in start and start.index("RAY_AUTH_MODE") < start.index("ray start")
+    assert launcher["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    cluster = yaml.safe_load((DEPLOY / "kuberay" / "raycluster.yaml").read_text())
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    for spec in (cluster["spec"], job["spec"]["rayClusterSpec"]):
+        assert spec["authOptions"] == {"mode": "token"}
+        assert tuple(map(int, spec["rayVersion"].split("."))) >= (2, 52, 0)
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            assert "RAY_AUTH_MODE=disabled" not in path.read_text(errors="replace"), path
+
+
+def test_the_project_never_turns_ray_authentication_off():
+    pattern = re.compile(r"RAY_AUTH_MODE\W{0,4}disabled")
+    paths = [ROOT / "README.md", *(p for d in ("specter", "actors", "scripts", "deploy", "docs")
+                                   for p in (ROOT / d).rglob("*") if p.suffix in {".py", ".sh", ".yaml", ".yml", ".md"})]
+    offenders = [str(p.relative_to(ROOT)) for p in paths if p.is_file() and pattern.search(p.read_text(errors="replace"))]
+    assert offenders == []

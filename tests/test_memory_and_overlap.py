@@ -56,7 +56,7 @@ def test_link_moves_while_the_caller_computes():
     transfer = link.submit((0, 0), 0, torch.zeros(500_000), torch.empty(500_000), DEMAND)
     a = torch.randn(256, 256)
     t0 = time.perf_counter()
-    while not transfer.done.is_set() and time.perf_counter() - t0 < 5:
+    while not transfer.done.is_set() and time.perf_counter() - t0 < 60:  # only a hang reaches 60 s
         a = torch.tanh(a @ a)  # the compute thread never waits on the link
     assert transfer.done.is_set()
     link.close()

@@ -174,7 +174,7 @@ def test_wait_ready_waits_for_a_newer_sequence_and_times_out_clearly(pool: Share
         SlotTimeout, match=r"expert \(0, 3\) \(seq >= 4\) not ready in slot 1 .* holding \(0, 3\)"
     ):
         pool.wait_ready(1, (0, 3), seq + 2, timeout_s=0.05)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0  # it gave up (a hang would not)
     assert pool.begin_write(1)
     with pytest.raises(SlotTimeout, match="being written"):
         pool.wait_ready(1, (0, 3), timeout_s=0.01)

@@ -30,9 +30,24 @@ from specter.target import OffloadedTarget, _groups
 
 SHAPE = ExpertShape(hidden=8, intermediate=4, dtype=torch.float32)  # 384 bytes per expert
 STEP_S = 0.1  # every transfer takes this long on the simulated link
+HANG_S = 60.0  # waits end on their condition; only a hang reaches this
 
 
-def _until_started(transfer: Transfer, timeout_s: float = 5.0) -> None:
+def _moves(server: TransferServer) -> list[tuple[int, int]]:
+    """Record the keys the transfer side's copy thread moves, in order (one at a time, so the order
+    they start in is the order they land in)."""
+    order: list[tuple[int, int]] = []
+    move = server.link._move
+
+    def spy(transfer: Transfer) -> None:
+        order.append(transfer.key)
+        move(transfer)
+
+    server.link._move = spy  # type: ignore[method-assign]
+    return order
+
+
+def _until_started(transfer: Transfer, timeout_s: float = HANG_S) -> None:
     """Wait until the copy thread has taken ``transfer`` (its slot's number moved)."""
     deadline = time.monotonic() + timeout_s
     while not transfer.done.started():  # type: ignore[attr-defined]
@@ -88,23 +103,26 @@ def link() -> Iterator[tuple[RemoteLink, SharedSlots, TransferServer]]:
 
 
 def test_demand_jumps_queued_prefetches_and_lands_in_the_shared_slot(link) -> None:
-    remote, slots, _ = link
+    remote, slots, server = link
+    order = _moves(server)
     dst = slots.storage
     first = remote.submit((0, 0), 0, torch.empty(0), dst[0], PREFETCH)
     _until_started(first)
     queued = [remote.submit((0, e), e, torch.empty(0), dst[e], PREFETCH) for e in (1, 2, 3)]
     demand = remote.submit((1, 3), 4, torch.empty(0), dst[4], DEMAND)
-    assert demand.wait(5) >= 0
+    assert demand.wait(HANG_S) >= 0
     assert first.done.is_set()
-    assert not any(t.done.is_set() for t in queued), "a prefetch landed before the demand transfer"
     assert torch.equal(dst[4], torch.full((SHAPE.numel,), 13.0))
     for t in queued:
-        t.wait(5)
+        t.wait(HANG_S)
     assert slots.read(3)[0] == (0, 3)
+    # the demand transfer went right after the one already moving, ahead of every queued prefetch
+    assert order == [(0, 0), (1, 3), (0, 1), (0, 2), (0, 3)], order
 
 
 def test_promote_and_cancel_and_counters(link) -> None:
     remote, slots, server = link
+    order = _moves(server)
     dst = slots.storage
     head = remote.submit((0, 0), 0, torch.empty(0), dst[0], PREFETCH)
     _until_started(head)
@@ -114,18 +132,19 @@ def test_promote_and_cancel_and_counters(link) -> None:
     remote.promote(promoted)
     assert remote.cancel(dropped)
     assert not remote.cancel(head)  # started: too late
-    promoted.wait(5)
-    assert not late.done.is_set()
-    late.wait(5)
-    time.sleep(2 * STEP_S)
+    promoted.wait(HANG_S)
+    late.wait(HANG_S)
+    # a prefetch queued after the dropped one: once it has landed, the dropped one had its turn
+    remote.submit((1, 2), 4, torch.empty(0), dst[4], PREFETCH).wait(HANG_S)
+    assert order == [(0, 0), (0, 2), (0, 1), (1, 2)], order  # promoted ahead of late; dropped never moved
     assert not dropped.done.is_set() and slots.read(3)[0] is None
     moved, busy, transfers = remote.bytes_moved, remote.busy_s, remote.transfers
-    assert (moved, transfers) == (3 * SHAPE.nbytes, 3)
-    assert busy >= 3 * STEP_S * 0.9
+    assert (moved, transfers) == (4 * SHAPE.nbytes, 4)
+    assert busy >= 4 * STEP_S * 0.9
     assert server.rejected == 0
 
 
-def _until(condition, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+def _until(condition, timeout_s: float = HANG_S) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
@@ -145,32 +164,36 @@ def test_commands_that_name_nothing_are_refused_and_counted(link) -> None:
     assert server.rejections == {OUT_OF_RANGE: 3, UNKNOWN_ID: 2, "duplicate_id": 0, UNEXPECTED: 1}
     assert all(slots.read(s)[1] == 0 for s in range(slots.num_slots)), "a refused command touched a slot"
     ok = remote.submit((1, 2), 1, torch.empty(0), slots.storage[1], DEMAND)  # the server still serves
-    ok.wait(5)
+    ok.wait(HANG_S)
     assert slots.read(1)[0] == (1, 2)
 
 
-def test_link_timing_switches_the_transfer_side_model(link) -> None:
-    remote, slots, server = link
-    remote.timed = False
-    _until(lambda: not server.link.timed)
-    t0 = time.perf_counter()
-    remote.submit((0, 1), 0, torch.empty(0), slots.storage[0], DEMAND).wait(5)
-    assert time.perf_counter() - t0 < STEP_S  # copy speed, not the 0.1 s link model
-    assert remote.transfers == 1 and remote.bytes_moved == SHAPE.nbytes  # counted, as in process
-    remote.timed = True
-    t0 = time.perf_counter()
-    remote.submit((0, 2), 1, torch.empty(0), slots.storage[1], DEMAND).wait(5)
-    assert time.perf_counter() - t0 >= STEP_S * 0.9
-    received = server.channel.received
-    remote.timed = True  # no change: no message
-    remote.submit((0, 3), 2, torch.empty(0), slots.storage[2], DEMAND).wait(5)
-    assert server.channel.received == received + 1 and server.link.timed
+def test_link_timing_switches_the_transfer_side_model() -> None:
+    store = ExpertStore([0], 4, SHAPE)
+    slow_s = 2.0  # the link model's time per transfer: far above any copy, even on a loaded machine
+    with transfer_side(store, 3, LinkConfig(bandwidth=1e12, latency=slow_s)) as (remote, server):
+        slots = remote.slots
+        remote.timed = False
+        _until(lambda: not server.link.timed)
+        t0 = time.perf_counter()
+        remote.submit((0, 1), 0, torch.empty(0), slots.storage[0], DEMAND).wait(HANG_S)
+        assert time.perf_counter() - t0 < slow_s / 2  # copy speed, not the link model
+        assert remote.transfers == 1 and remote.bytes_moved == SHAPE.nbytes  # counted, as in process
+        remote.timed = True
+        t0 = time.perf_counter()
+        remote.submit((0, 2), 1, torch.empty(0), slots.storage[1], DEMAND).wait(HANG_S)
+        assert time.perf_counter() - t0 >= slow_s * 0.9
+        received = server.channel.received
+        remote.timed = True  # no change: no message
+        remote.submit((0, 3), 2, torch.empty(0), slots.storage[2], DEMAND).wait(HANG_S)
+        assert server.channel.received == received + 1 and server.link.timed
 
 
 # -- untimed prefill: in process vs RemoteLink + TransferServer -------------------------------
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
-SLOW = LinkConfig(kind="sim", bandwidth=1e6, latency=0.0)  # ~18 ms per tiny expert (18 432 bytes)
+# ~74 ms per tiny expert (18 432 bytes): the timed/untimed gaps below stay far above any load's jitter
+SLOW = LinkConfig(kind="sim", bandwidth=2.5e5, latency=0.0)
 BUDGET = SlotConfig(fraction=0.25)
 
 

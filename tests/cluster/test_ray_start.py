@@ -1,4 +1,7 @@
-"""`ray start --head` on loopback, then the client attaches and generates through the actors.
+"""`ray start --head` with token authentication, then the client attaches and generates through the actors.
+
+The head gets a fresh token in ``RAY_AUTH_TOKEN`` (as `ray get-auth-token --generate` would make one,
+without touching ``~/.ray``); drivers with it join, a driver without it is refused in bounded time.
 
 `ray stop` stops every Ray process on this machine: no other test holds a Ray while this one runs
 (the actor tests shut their module's local Ray down before this folder starts), and the head
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -23,6 +27,10 @@ PROMPT = [5, 99, 17, 42, 8, 63, 21]
 NEW = 8
 
 
+def _token_env() -> dict[str, str]:
+    return dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -34,7 +42,7 @@ def head():
     if ray.is_initialized():
         ray.shutdown()
     port = _free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = _token_env()
     subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
                     "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
                    capture_output=True, timeout=120)
@@ -49,7 +57,6 @@ def test_client_attaches_to_ray_start_cluster_and_generates(head, tiny_dir):
     folder = tiny_dir("mixtral")
     ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
     want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    env = dict(env, RAY_NODE_IP_ADDRESS="127.0.0.1")
     proc = subprocess.run(
         [sys.executable, "-m", "specter.cli", "generate", "--model", str(folder), "--draft", str(folder),
          "--policy", "specter", "--window", "3", "--prompt-ids", ",".join(map(str, PROMPT)),
@@ -62,12 +69,23 @@ def test_client_attaches_to_ray_start_cluster_and_generates(head, tiny_dir):
     assert result["stats"]["rounds"] > 0
 
 
+def test_a_driver_without_the_clusters_token_is_refused_in_bounded_time(head):
+    address, env = head
+    env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))  # not the cluster's
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "specter.cli", "generate", "--prompt-ids", "1,2", "--address",
+                           address, "--connect-timeout", "10"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
+    assert len(lines) == 1 and "refused this driver's token" in lines[0] and address in lines[0], proc.stderr[-2000:]
+
+
 @pytest.fixture()
 def head_with_dashboard():
     if ray.is_initialized():
         ray.shutdown()
     port, dashboard = _free_port(), _free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = _token_env()
     subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
                     "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)

@@ -50,7 +50,8 @@ def main() -> int:
     options = BatchOptions(args.model, args.draft, SlotConfig(fraction=0.5), LinkConfig.parse("sim:4"),
                            policy="specter", window=4, timeout_s=args.timeout)
     start_local(2, log_to_driver=False)
-    work = Path(tempfile.mkdtemp(prefix="specter-drill-"))
+    scratch = tempfile.TemporaryDirectory(prefix="specter-drill-")  # results files; removed at the end
+    work = Path(scratch.name)
 
     def batch(name: str, fault: KillInRequest | None = None):
         out = work / f"{name}.jsonl"
@@ -87,6 +88,7 @@ def main() -> int:
                   f"results, each once: {once}, identical: {same}, restarts {report.restarts}, retried "
                   f"{report.retried}, failed {report.failed}, {wall:.1f}s")
     ray.shutdown()
+    scratch.cleanup()
     return 1 if failures else 0
 
 

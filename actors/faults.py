@@ -65,7 +65,11 @@ class KillInRequest:
         while time.monotonic() < deadline:
             seen = self._progress()
             if self._inside(seen):
-                kill_actor(self.replica, self.role, self.how)
+                try:
+                    kill_actor(self.replica, self.role, self.how)
+                except Exception as exc:  # reported to the caller, who asserts on it
+                    self.error = f"kill of {self.role} by {self.how} failed at {seen}: {exc}"
+                    return
                 self.fired = seen
                 return
             time.sleep(self.poll_s)

@@ -135,15 +135,15 @@ def test_plan_delta_round_trip_between_processes(kind: str, tmp_path: Path) -> N
 
 def test_pair_handshake_in_process_then_messages(tmp_path: Path) -> None:
     with private_ipc_dir(tmp_path) as ipc:
-        a = Channel("pair", ipc.endpoint("x"), bind=True, peer="b", timeout_s=5)
-        b = Channel("pair", ipc.endpoint("x"), bind=False, peer="a", timeout_s=5)
+        a = Channel("pair", ipc.endpoint("x"), bind=True, peer="b", timeout_s=60)
+        b = Channel("pair", ipc.endpoint("x"), bind=False, peer="a", timeout_s=60)
         other = threading.Thread(target=b.handshake, args=("verifier",))
         other.start()
         hello = a.handshake("draft")
         other.join()
         assert hello is not None and hello.role == "verifier" and b.peer_hello is not None
         a.send(Cancel(3))
-        assert b.recv(5) == Cancel(3)
+        assert b.recv(60) == Cancel(3)
         a.close()
         b.close()
 

@@ -44,7 +44,7 @@ def test_a_plain_channel_carries_actor_messages_and_drops_garbage() -> None:
         b.socket.send(msgpack.packb(["fetch", 1, 0, 0, 0, 2]))  # priority is 0 or 1
         for msg in SAMPLES:
             b.send(msg)
-        assert [a.recv(2) for _ in SAMPLES] == SAMPLES
+        assert [a.recv(60) for _ in SAMPLES] == SAMPLES  # 60 s: only a hang reaches it
         assert (a.dropped[UNKNOWN], a.dropped[MALFORMED], a.received) == (1, 1, len(SAMPLES))
 
 
@@ -106,10 +106,10 @@ def test_draft_refuses_ids_that_do_not_fit_before_running_anything(served, monke
     assert server.handle(FetchExpert(1, 0, 0, 0, 0))  # for the transfer actor
     assert draft.inputs == [[1, 2, 3]]
     assert server.rejections == {OUT_OF_RANGE: 6, UNEXPECTED: 1, FAILED: 0}
-    errors = [verifier.recv(1) for _ in range(6)]
+    errors = [verifier.recv(60) for _ in range(6)]
     assert all(isinstance(e, Error) and e.where == "draft" for e in errors), errors
     assert server.handle(ProposeRequest(0, 3, [5], 2))  # a fitting one still drafts
-    replies = [verifier.recv(1) for _ in range(3)]
+    replies = [verifier.recv(60) for _ in range(3)]
     assert isinstance(replies[-1], DraftTokens) and replies[-1].tokens == [3, 3]
 
 

@@ -44,7 +44,7 @@ def pack_int32(values: torch.Tensor, num_bits: int, dim: int) -> torch.Tensor:
     rows = unsigned if dim == 1 else unsigned.T
     pad = -rows.shape[1] % per_word
     rows = torch.nn.functional.pad(rows, (0, pad)).view(rows.shape[0], -1, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=rows.device) * num_bits
     words = (rows << shifts).sum(dim=-1)
     # Reinterpret the unsigned 32-bit word as int32 (two's complement), as the format stores it.
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -62,7 +62,7 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int) -> to
     words = (packed if dim == 1 else packed.T).to(torch.int64) & 0xFFFFFFFF
     if words.shape[1] * per_word < size:
         raise ValueError(f"packed tensor holds {words.shape[1] * per_word} codes per row, {size} requested")
-    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=packed.device) * num_bits  # on the words' device
     codes = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
     codes = codes.reshape(words.shape[0], -1)[:, :size] - (1 << (num_bits - 1))
     codes = codes.to(torch.int8)

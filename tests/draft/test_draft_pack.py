@@ -102,3 +102,13 @@ def test_quantization_config_block() -> None:
         bits_for("model.layers.1.self_attn.q_proj", config)
     channel = quantization_config({r".*w2": (8, 64, 64)}, [])
     assert next(iter(channel["config_groups"].values()))["weights"]["strategy"] == "channel"
+
+
+def test_unpack_builds_its_shifts_on_the_words_device() -> None:
+    """The packed words may live on the accelerator (the draft's experts do): nothing of the unpack
+    may come from the CPU. The meta device stands in for CUDA here: mixing devices fails on it too."""
+    codes = torch.randint(-8, 8, (4, 16), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    packed = pack_int32(codes, 4, dim=1)
+    out = unpack_int32(packed.to("meta"), 4, 16, dim=1)
+    assert out.device.type == "meta" and out.shape == codes.shape and out.dtype == torch.int8
+    assert torch.equal(unpack_int32(packed, 4, 16, dim=1), codes)

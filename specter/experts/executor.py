@@ -262,9 +262,9 @@ class OffloadedExperts:
         gate_up, down = self.pool.view(key)
         out = _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
         event = None
-        if self.on_cuda:
+        if self.on_cuda:  # on the pool's device's stream: the current device may be another one
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.pool.storage.device))
         self.pool.unpin(key, event)
         return out
 

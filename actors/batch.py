@@ -44,6 +44,7 @@ class BatchOptions:
     request_timeout_s: float = 600.0
     retries: int = 2
     timeout_s: float = 60.0
+    host_profile: str | None = None  # the profile whose host computes late experts (``launch``'s)
 
 
 @dataclass
@@ -178,6 +179,7 @@ def _start(replica: _Replica, options: BatchOptions, launcher: Launcher, names_f
                 options.policy,
                 replica=replica.name,
                 timeout_s=options.timeout_s,
+                host_profile=options.host_profile,
                 **replica.placement,
             )
             return

@@ -37,12 +37,13 @@ class Client:
         num_cpus: CPUs of a local Ray.
         timeout_s: the actors' peer and handshake timeouts.
         connect_timeout_s: how long attaching to a cluster may take before ``ConnectError``.
+        host_profile: the profile whose host computes late experts (``launch``'s).
     """
 
     def __init__(
         self, model: str | Path, draft: str | Path | None = None, budget: SlotConfig | None = None,
         link: LinkConfig | None = None, policy: str = "specter", address: str | None = "local", num_cpus: int = 2,
-        timeout_s: float = 60.0, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        timeout_s: float = 60.0, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, host_profile: str | None = None,
     ):
         self._owns_ray = False
         if not ray.is_initialized():
@@ -50,7 +51,8 @@ class Client:
             self._owns_ray = True
         self.tokenizer = _load_tokenizer(Path(model))
         self.handle: EngineHandle = launch(
-            model, draft, budget or SlotConfig(fraction=0.5), link or LinkConfig(), policy, timeout_s=timeout_s
+            model, draft, budget or SlotConfig(fraction=0.5), link or LinkConfig(), policy, timeout_s=timeout_s,
+            host_profile=host_profile,
         )
 
     def generate(

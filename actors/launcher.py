@@ -87,6 +87,7 @@ def launch(
     gpu: bool = False,
     startup_timeout_s: float = 300.0,
     sealed: bool = True,
+    host_profile: str | None = None,
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -103,6 +104,8 @@ def launch(
         gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
         startup_timeout_s: how long the actors may take to start and load the model (worker start-up
             and loading, slow on a busy machine; separate from the peer timeouts).
+        host_profile: the profile whose host computes late experts (``simulated_host``; None: the
+            default profile's rates relative to the link's, as in process).
         sealed: unlink the shared memory and the ipc directory once wired (False keeps the sockets
             reachable for the wire fuzzer, which connects peers of its own later).
 
@@ -135,7 +138,7 @@ def launch(
         str(model), budget, link, prefix, timeout_s, replica
     )
     verifier = VerifierActor.options(**where("verifier")).remote(  # type: ignore[attr-defined]
-        str(model), budget, policy, timeout_s, replica
+        str(model), budget, policy, timeout_s, replica, link, host_profile
     )
     draft_actor = None
     if draft is not None:

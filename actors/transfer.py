@@ -1,7 +1,8 @@
 """TransferActor: the pinned host store, the shared slot storage and the copy thread.
 
-It creates the slot pool's storage as ``SharedSlots`` (and the link counters next to it) and a
-private ipc directory, binds the pull socket the verifier's ``RemoteLink`` pushes commands to,
+It creates the slot pool's storage as ``SharedSlots`` (and the link counters next to it), keeps the
+host store in shared memory too (``specter/experts/shared_store.py``: the verifier maps it read-only
+to compute late experts on the host), makes a private ipc directory, binds the pull socket the verifier's ``RemoteLink`` pushes commands to,
 and serves them in a background thread (``specter.experts.transfer_server``). Control plane only
 through Ray: ``info``, ``start``, ``seal``, ``counters``, ``close``.
 
@@ -27,7 +28,9 @@ from actors.metrics import Recorder
 from specter.channel import Channel, private_ipc_dir
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.shared_counters import SharedCounters
+from specter.experts.shared_store import SharedArena, store_name
 from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.experts.store import ExpertStore
 from specter.experts.transfer_server import TransferServer
 from specter.models.loader import build_dense, load_store
 
@@ -56,10 +59,12 @@ class TransferActor:
         self.metrics = Recorder(replica, "transfer")
         self.metrics_every_s = metrics_every_s
         loaded = build_dense(model_dir, compute_dtype())
-        self.store = load_store(loaded)
+        self.prefix = prefix or new_prefix("specter")
+        numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
+        self.arena = SharedArena.create(store_name(self.prefix), numel, loaded.shape.dtype)
+        self.store = load_store(loaded, arena=self.arena.tensor)
         num_slots = sum(slot_groups(budget, loaded).values())
         del loaded  # the dense parts are the verifier's; only the blobs stay here
-        self.prefix = prefix or new_prefix("specter")
         self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype)
         self.shared_counters = SharedCounters(self.prefix, create=True)
         self.ipc = private_ipc_dir()
@@ -104,6 +109,7 @@ class TransferActor:
             raise TimeoutError(f"transfer: no verifier handshake within {timeout_s:.0f}s; not sealed")
         self.slots.unlink()
         self.shared_counters.unlink()
+        self.arena.unlink()
         self.ipc.cleanup()
         log.info("transfer: sealed %s (shared memory and ipc directory unlinked, still mapped)", self.prefix)
 
@@ -133,6 +139,8 @@ class TransferActor:
         self.slots.close()
         self.slots.unlink()
         self.shared_counters.close()
+        del self.store  # its blob views hold the arena's mapping
+        self.arena.close()
         return unlink_prefix(self.prefix)
 
     def _publish(self) -> None:

@@ -1,7 +1,9 @@
 """VerifierActor: the target's dense parts, the slot pool's residency map, policies, the round.
 
 Its slot pool's storage is the transfer actor's ``SharedSlots``; its link is a ``RemoteLink``
-(commands over ZeroMQ, readiness from the seq table). With a draft actor, the engine's proposer
+(commands over ZeroMQ, readiness from the seq table). It maps the transfer actor's host store
+read-only, so a policy with host compute computes a late expert here, from the same blob, exactly
+as in process (``specter/experts/shared_store.py`` says why here and not in the transfer actor). With a draft actor, the engine's proposer
 is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
 stats; nothing per token crosses Ray.
 """
@@ -18,15 +20,18 @@ import ray
 from actors.common import DEVICE, compute_dtype, setup_process, slot_groups
 from actors.metrics import Recorder
 from specter.channel import Channel
-from specter.config import SamplingConfig, SlotConfig
+from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
-from specter.experts.remote_experts import RemoteExperts, ShapeStore
+from specter.experts.remote_experts import RemoteExperts
 from specter.experts.remote_link import RemoteLink
 from specter.experts.shared_counters import SharedCounters
+from specter.experts.shared_store import SharedArena, store_name
 from specter.experts.shm import SharedSlots, SlotsHandle
 from specter.experts.slots import SlotPool
+from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import make_policy
+from specter.profiles import simulated_host
 from specter.protocol import Shutdown
 from specter.remote_proposer import RemoteProposer
 from specter.target import OffloadedTarget
@@ -47,12 +52,16 @@ class VerifierActor:
         policy: the policy name it starts with.
         timeout_s: transfer, handshake and draft timeouts.
         replica: the replica's name (metric tags).
+        link: the transfer actor's link (a simulated link's rate sets the simulated host's).
+        host_profile: the profile whose host computes late experts (None: the default, as in process).
     """
 
-    def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = ""):
+    def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = "",
+                 link: LinkConfig | None = None, host_profile: str | None = None):
         setup_process()
         self.metrics = Recorder(replica, "verifier")
         self.model_dir, self.budget, self.policy_name, self.timeout_s = model_dir, budget, policy, timeout_s
+        self.link_config, self.host_profile = link or LinkConfig(), host_profile
         self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
         self.target: OffloadedTarget | None = None
         self.proposer: RemoteProposer | None = None
@@ -68,10 +77,13 @@ class VerifierActor:
         handle = msgspec.json.decode(slots_json, type=SlotsHandle)
         self.slots = SharedSlots.attach(handle)
         self.counters = SharedCounters(handle.prefix, create=False)
+        loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
+        numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
+        self.arena = SharedArena.map_readonly(store_name(handle.prefix), numel, loaded.shape.dtype)
         link_channel = Channel("push", transfer_endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
         self.channels.append(link_channel)
         link_channel.handshake("verifier")
-        self.link = RemoteLink(link_channel, self.slots, self.counters)
+        self.link = RemoteLink(link_channel, self.slots, self.counters, self.link_config)
         if draft_endpoint:
             draft_channel = Channel("pair", draft_endpoint, bind=False, peer="draft", timeout_s=self.timeout_s)
             self.channels.append(draft_channel)
@@ -144,6 +156,17 @@ class VerifierActor:
         if hasattr(self, "slots"):
             self.slots.close()
             self.counters.close()
+        if hasattr(self, "arena"):
+            self.target = None  # its store's blob views hold the mapping
+            self.arena.close()
+
+    def _host(self, loaded: LoadedModel) -> HostConfig | None:
+        """The host beside the link, as the in-process engine gets it (the GPU path's is not done yet)."""
+        if self.link_config.kind != "sim":
+            return None
+        shape = loaded.shape
+        return simulated_host(self.link_config.bandwidth, self.link_config.latency, shape.nbytes, 2 * shape.numel,
+                              self.host_profile)
 
     def _build(self, policy: str) -> None:
         """A fresh offloaded target for ``policy`` (a policy may hook the model: reload the dense
@@ -159,12 +182,10 @@ class VerifierActor:
         if pool.num_slots != self.slots.num_slots:
             raise RuntimeError(f"slots: the verifier sizes {pool.num_slots} slots, the transfer actor {self.slots.num_slots}")
         pool.storage = self.slots.storage
-        store = ShapeStore(loaded.moe_layers, loaded.num_experts, loaded.shape)
+        store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, arena=self.arena.tensor)
         offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
+        offload.set_host(self._host(loaded))
         offload.prefill_slots()
-        if offload.policy.host_compute and offload.host is None:
-            log.warning("verifier: policy %s computes late experts on the host in process, but through the actors "
-                        "the host blobs live in the transfer actor: it runs without host compute here", policy)
         self.target = OffloadedTarget(loaded, offload, DEVICE)
         self.policy_name = policy
         log.info("verifier: policy %s, %d slots over %s", policy, pool.num_slots, self.link.describe())

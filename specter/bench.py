@@ -21,14 +21,14 @@ from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.loader import build_dense
 from specter.plan import POLICIES, drafts, policy_class
-from specter.profiles import PROFILES, Profile
+from specter.profiles import PROFILES, Profile, simulated_host
 from specter.target import OffloadedTarget
 
 log = logging.getLogger(__name__)
 
 BASELINE = "demand-lru"
 ACTORS = "specter@actors"
-ACTORS_POLICY = "specter+nohost"  # the actors' verifier has no host blobs, so no host compute yet
+ACTORS_POLICY = "specter"  # the full policy, host compute included, through the three actors
 RIVALS = ("specter-paper", "specmoeoff", "demand-host")
 
 
@@ -89,7 +89,7 @@ def load_target(config: BenchConfig, link: LinkConfig, profile: Profile, policy:
     budget = budget_for(config, profile)
     target = OffloadedTarget.load(config.model, budget, link, policy)
     shape = target.loaded.shape
-    target.offload.set_host(profile.sim_host(link.bandwidth, shape.nbytes, 2 * shape.numel))
+    target.offload.set_host(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel, profile.name))
     return target
 
 
@@ -154,7 +154,7 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
     budget = budget_for(config, profile)
     targets = {p: load_target(config, link, profile, p) for p in config.policies}
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
-    handle, owns_ray = _launch_actors(config, link, budget) if config.actors else (None, False)
+    handle, owns_ray = _launch_actors(config, link, budget, name) if config.actors else (None, False)
     if handle is not None:
         runs[ACTORS] = []
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
     return runs
 
 
-def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig) -> tuple[Any, bool]:
+def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig, profile: str) -> tuple[Any, bool]:
     """One engine trio on a local Ray (started here if none is running)."""
     import ray
 
@@ -197,7 +197,7 @@ def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig) ->
     started = not ray.is_initialized()
     if started:  # a local Ray for this profile, shut down with the trio
         start_local(2, log_to_driver=False)
-    return launch(config.model, config.draft, budget, link, policy=ACTORS_POLICY), started
+    return launch(config.model, config.draft, budget, link, policy=ACTORS_POLICY, host_profile=profile), started
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:

@@ -352,10 +352,11 @@ def _in_process(args, parser, link, budget, window, sampling):  # type: ignore[n
     if target.memory_plan is not None:
         print(target.memory_plan.describe(), file=sys.stderr)
     if args.profile is not None:  # the profile's host, scaled like its link (docs/profiles.md)
-        from specter.profiles import PROFILES
+        from specter.profiles import simulated_host
 
         shape = target.offload.store.shape
-        target.offload.set_host(PROFILES[args.profile].sim_host(link.bandwidth, shape.nbytes, 2 * shape.numel))
+        target.offload.set_host(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel,
+                                               args.profile))
     try:
         tokenizer = target.tokenizer
         prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
@@ -375,7 +376,7 @@ def _through_actors(args, parser, link, budget, window, sampling):  # type: igno
     vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
     address = None if args.address == "none" else args.address
     with Client(args.model, args.draft, budget, link, args.policy, address=address,
-                connect_timeout_s=args.connect_timeout) as client:
+                connect_timeout_s=args.connect_timeout, host_profile=args.profile) as client:
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
@@ -422,6 +423,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         results.close()
         return 1 if bad and args.on_bad_line == "stop" else 0
     link = args.link or LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6)
+    host_profile = link if isinstance(link, str) else None  # a profile's link comes with its host
     if isinstance(link, str):
         link = _profile_link(link, args.model)
     budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
@@ -433,7 +435,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     options = BatchOptions(
         str(args.model), args.draft, budget, link, args.policy, window, sampling.top_p, sampling.top_k,
-        _eos(args.model), args.replicas, args.request_timeout, args.retries, args.timeout,
+        _eos(args.model), args.replicas, args.request_timeout, args.retries, args.timeout, host_profile,
     )
     owns_ray = not ray.is_initialized()
     if owns_ray:

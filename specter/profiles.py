@@ -163,3 +163,12 @@ PROFILES: dict[str, Profile] = {
 }
 
 DEFAULT_HOST_PROFILE = "mixtral-pcie4"  # whose host-to-link ratio a plain simulated link gets
+
+
+def simulated_host(bandwidth: float, latency: float, expert_bytes: int, expert_flops: int,
+                   profile: str | None = None) -> HostConfig:
+    """The host beside a simulated link of ``bandwidth`` bytes/s: a named profile's, scaled like its
+    link (``Profile.sim_host``), or with none the default profile's rates relative to the link's."""
+    if profile is not None:
+        return PROFILES[profile].sim_host(bandwidth, expert_bytes, expert_flops)
+    return PROFILES[DEFAULT_HOST_PROFILE].host_relative_to(bandwidth, latency)

@@ -289,10 +289,10 @@ def default_host(link: Link, shape: ExpertShape, on_cuda: bool) -> HostCompute |
     """Host compute for a simulated link with no profile: the default profile's host-to-link ratio.
 
     None on a GPU (the host path would run synchronously on the compute stream; not done yet) and
-    over links that move blobs elsewhere (the host blobs are not in this process).
+    over other links (the verifier actor, over a ``RemoteLink``, sets its host itself).
     """
     if on_cuda or not isinstance(link, SimulatedLink):
         return None
-    from specter.profiles import DEFAULT_HOST_PROFILE, PROFILES
+    from specter.profiles import simulated_host
 
-    return HostCompute(PROFILES[DEFAULT_HOST_PROFILE].host_relative_to(link.bandwidth, link.latency), shape)
+    return HostCompute(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel), shape)

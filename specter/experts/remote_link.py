@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from specter.channel import Channel
+from specter.config import LinkConfig
 from specter.experts.link import DEMAND, Link, LinkError, Transfer
 from specter.experts.shared_counters import SharedCounters
 from specter.experts.shm import SharedSlots, SlotTimeout
@@ -76,13 +77,17 @@ class RemoteLink(Link):
         channel: a connected push channel to the transfer actor (handshake done).
         slots: the attached shared slots (``slots.storage`` is the verifier's slot pool).
         counters: the transfer side's counters, attached.
+        model: the transfer side's link model; a simulated one makes ``estimate_s`` exact, as in
+            process (None: the bandwidth measured so far).
     """
 
     name = "remotelink"
 
-    def __init__(self, channel: Channel, slots: SharedSlots, counters: SharedCounters):
+    def __init__(self, channel: Channel, slots: SharedSlots, counters: SharedCounters,
+                 model: LinkConfig | None = None):
         # No worker thread here: the transfer actor's copy thread does the work.
         self.channel, self.slots, self.counters = channel, slots, counters
+        self.model = model if model is not None and model.kind == "sim" else None
         self._timed = True
         self._ids = itertools.count()
         self._id_of: weakref.WeakKeyDictionary[Transfer, int] = weakref.WeakKeyDictionary()
@@ -100,6 +105,25 @@ class RemoteLink(Link):
     @property
     def transfers(self) -> int:  # type: ignore[override]
         return self.counters.read()[2]
+
+    def estimate_s(self, nbytes: int) -> float:
+        """Seconds one transfer takes: the simulated link's own time (0 while untimed), else measured."""
+        if self.model is None:
+            return super().estimate_s(nbytes)
+        return self.model.latency + nbytes / self.model.bandwidth if self._timed else 0.0
+
+    def free_at(self, now: float) -> float:
+        """When the transfer moving now on the transfer side is due to land (now, if none)."""
+        return max(now, self.counters.due())
+
+    def landing(self, transfer: Transfer, now: float) -> float | None:
+        """When a started transfer is due (the copy thread moves one at a time, so a started one
+        that has not landed is the one moving now); None if it has not started."""
+        if transfer.done.is_set():
+            return now
+        if not self._started(transfer):
+            return None
+        return max(now, self.counters.due())
 
     @property
     def timed(self) -> bool:

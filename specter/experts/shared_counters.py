@@ -1,9 +1,11 @@
 """The transfer side's link counters, mirrored into a small shared-memory segment.
 
-Three float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
-transfers done. One writer (the transfer actor's copy thread, before it publishes a slot) and any
-number of readers (the verifier's ``RemoteLink``), so a reader that has seen an expert land also
-sees the counters that include it. Named under the slots' prefix so ``unlink_prefix`` removes it.
+Four float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
+transfers done, and when the transfer moving now is due to land (``time.perf_counter`` seconds:
+``CLOCK_MONOTONIC``, one clock for every process of the machine). One writer (the transfer actor's
+copy thread: the due time when a copy starts, the rest before it publishes a slot) and any number of
+readers (the verifier's ``RemoteLink``), so a reader that has seen an expert land also sees the
+counters that include it, and can tell, as in process, when the link is free again. Named under the slots' prefix so ``unlink_prefix`` removes it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from specter.experts.shm import _fence, _shm_unlink
 
-WORDS = 3  # bytes moved, busy seconds, transfers
+WORDS = 4  # bytes moved, busy seconds, transfers, due time of the transfer moving now
 
 
 class SharedCounters:
@@ -44,10 +46,20 @@ class SharedCounters:
         self._words[2] += transfers
         _fence()
 
+    def moving(self, due: float) -> None:
+        """The transfer that starts now is due to land at ``due`` (writer side only)."""
+        self._words[3] = due
+        _fence()
+
+    def due(self) -> float:
+        """When the transfer moving now (or the last one) is due to land."""
+        _fence()
+        return float(self._words[3])
+
     def read(self) -> tuple[int, float, int]:
         """``(bytes_moved, busy_s, transfers)`` now."""
         _fence()
-        words = self._words.copy()
+        words = self._words[:3].copy()
         return int(words[0]), float(words[1]), int(words[2])
 
     def unlink(self) -> None:

@@ -48,15 +48,28 @@ class ExpertStore:
         num_experts: routed experts per MoE layer.
         shape: the shape every expert shares.
         pin: page-lock the host memory (CUDA only; makes copies asynchronous and faster).
+        arena: memory to hold the blobs instead of a new allocation (e.g. shared memory,
+            ``specter/experts/shared_store.py``): a flat tensor of ``arena_numel`` elements.
     """
 
-    def __init__(self, layers: list[int], num_experts: int, shape: ExpertShape, pin: bool = False):
+    def __init__(self, layers: list[int], num_experts: int, shape: ExpertShape, pin: bool = False,
+                 arena: torch.Tensor | None = None):
         self.layers = list(layers)
         self.num_experts = num_experts
         self.shape = shape
-        # One arena; each blob is a contiguous slice of it (one allocation, one pin).
-        self._arena = torch.empty(len(self.layers) * num_experts * shape.numel, dtype=shape.dtype, pin_memory=pin)
+        numel = self.arena_numel(self.layers, num_experts, shape)
+        if arena is None:  # one arena; each blob is a contiguous slice of it (one allocation, one pin)
+            arena = torch.empty(numel, dtype=shape.dtype, pin_memory=pin)
+        elif arena.dim() != 1 or arena.numel() != numel or arena.dtype != shape.dtype:
+            raise ValueError(f"arena: expected a flat {shape.dtype} tensor of {numel} elements, got "
+                             f"{arena.dtype} of shape {tuple(arena.shape)}")
+        self._arena = arena
         self._row = {layer: i for i, layer in enumerate(self.layers)}
+
+    @staticmethod
+    def arena_numel(layers: list[int], num_experts: int, shape: ExpertShape) -> int:
+        """Elements of the arena that holds every blob."""
+        return len(layers) * num_experts * shape.numel
 
     @property
     def nbytes(self) -> int:

@@ -58,6 +58,9 @@ class SlotWriterLink(SimulatedLink):
 
     def _move(self, transfer: Transfer) -> None:
         t0 = time.perf_counter()
+        # due before the slot turns odd: a reader that sees the copy started also sees when it lands
+        untimed = transfer in self.untimed or not self.timed
+        self.counters.moving(t0 if untimed else t0 + self.latency + transfer.nbytes / self.bandwidth)
         while not self.slots.begin_write(transfer.slot):  # a reader pins it (not done by the verifier yet)
             time.sleep(PINNED_RETRY_S)
         published = None

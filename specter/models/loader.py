@@ -91,9 +91,11 @@ def build_dense(model_dir: str | Path, dtype: torch.dtype | None = None) -> Load
     )
 
 
-def load_store(loaded: LoadedModel, pin: bool = False, progress: bool = False) -> ExpertStore:
-    """Stream every routed expert of the checkpoint into a new host store."""
-    store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, pin=pin)
+def load_store(
+    loaded: LoadedModel, pin: bool = False, progress: bool = False, arena: torch.Tensor | None = None
+) -> ExpertStore:
+    """Stream every routed expert of the checkpoint into a new host store (in ``arena`` if given)."""
+    store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, pin=pin, arena=arena)
     store.load(loaded.checkpoint, loaded.family, progress=progress)
     return store
 

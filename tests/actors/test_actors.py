@@ -53,7 +53,8 @@ def _reference(folder: Path) -> list[int]:
 
 @pytest.mark.parametrize(
     ("policy", "window"),
-    [("demand-lru", 0), ("gate-prefetch", 0), ("specmoeoff", 3), ("specter-paper", 4), ("specter", 4), ("oracle", 4)],
+    [("demand-lru", 0), ("gate-prefetch", 0), ("demand-host", 0), ("specmoeoff", 3), ("specter-paper", 4),
+     ("specter", 4), ("oracle", 4)],
 )
 def test_greedy_through_actors_is_token_identical(engine, models, policy, window) -> None:
     folder, draft = models
@@ -68,6 +69,26 @@ def test_greedy_through_actors_is_token_identical(engine, models, policy, window
         assert stats["rounds"] > 0 and stats["drafted"] > 0 and 0 < stats["recall"] <= 1
     counters = engine.link_counters()
     assert counters["transfers"] >= stats["transfers"] and counters["rejected"] == 0
+
+
+def test_host_compute_through_actors_reads_the_transfer_store_read_only(local_ray, models) -> None:
+    """A slow link: the host finishes a late expert first, so the verifier computes it from the
+    transfer actor's store, which it maps read-only; the tokens stay transformers'."""
+    folder, draft = models
+    slow = LinkConfig(kind="sim", bandwidth=2e6, latency=0.0)  # ~9 ms per tiny expert
+    handle = launch(folder, draft, BUDGET, slow, policy="demand-host", timeout_s=60)
+    try:
+        for policy, window in (("demand-host", 0), ("specter", 3)):
+            got = handle.generate(PROMPT, NEW, policy=policy, window=window)
+            assert got["tokens"] == _reference(folder), policy
+            assert got["stats"]["host_experts"] > 0, policy
+        pid = ray.get(handle.verifier.pid.remote())
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        store = [line for line in maps if f"{handle.prefix}-store" in line]
+        assert store and all(line.split()[1].startswith("r-") for line in store), store  # no write bit
+        assert all("(deleted)" in line for line in store)  # sealed: the name is gone, the memory is not
+    finally:
+        handle.shutdown()
 
 
 def test_sampling_through_actors_matches_in_process(engine, models) -> None:

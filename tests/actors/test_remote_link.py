@@ -16,7 +16,7 @@ from specter.channel import Channel, private_ipc_dir
 from specter.config import LinkConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.link import DEMAND, PREFETCH, Transfer
-from specter.experts.remote_experts import RemoteExperts, ShapeStore
+from specter.experts.remote_experts import RemoteExperts
 from specter.experts.remote_link import RemoteLink
 from specter.experts.shared_counters import SharedCounters
 from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
@@ -75,7 +75,7 @@ def transfer_side(store: ExpertStore, num_slots: int, link: LinkConfig) -> Itera
     push = Channel("push", pull.address, bind=False, peer="transfer")
     push.handshake("verifier", 10)
     reader = SharedSlots.attach(slots.handle)
-    remote = RemoteLink(push, reader, SharedCounters(prefix, create=False))
+    remote = RemoteLink(push, reader, SharedCounters(prefix, create=False), link)
     try:
         yield remote, server
     finally:
@@ -144,6 +144,25 @@ def test_promote_and_cancel_and_counters(link) -> None:
     assert server.rejected == 0
 
 
+def test_the_remote_link_knows_when_the_moving_transfer_lands(link) -> None:
+    """What the host-compute split asks of a link, answered from the transfer side's due time."""
+    remote, slots, _ = link
+    assert remote.estimate_s(SHAPE.nbytes) == pytest.approx(STEP_S + SHAPE.nbytes / 1e12)
+    before = time.perf_counter()
+    moving = remote.submit((0, 1), 0, torch.empty(0), slots.storage[0], DEMAND)
+    queued = remote.submit((0, 2), 1, torch.empty(0), slots.storage[1], PREFETCH)
+    _until_started(moving)
+    due = remote.landing(moving, time.perf_counter())
+    assert due is not None and due >= before + STEP_S  # it started after `before`, takes STEP_S
+    assert remote.free_at(time.perf_counter()) == due
+    assert remote.landing(queued, time.perf_counter()) is None  # not started
+    moving.wait(HANG_S)
+    assert time.perf_counter() >= due  # it landed no earlier than due
+    queued.wait(HANG_S)
+    remote.timed = False
+    assert remote.estimate_s(SHAPE.nbytes) == 0.0
+
+
 def _until(condition, timeout_s: float = HANG_S) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -207,8 +226,7 @@ def _remote_target(folder: Path) -> Iterator[OffloadedTarget]:
         loaded = build_dense(folder, torch.float32)
         pool = SlotPool(loaded.shape, groups, torch.device("cpu"))
         pool.storage = remote.slots.storage
-        shapes = ShapeStore(loaded.moe_layers, loaded.num_experts, loaded.shape)
-        offload = RemoteExperts(shapes, pool, remote, make_policy("demand-lru"), timeout=30)
+        offload = RemoteExperts(store, pool, remote, make_policy("demand-lru"), timeout=30)
         offload.prefill_slots()
         yield OffloadedTarget(loaded, offload, torch.device("cpu"))
 

@@ -9,6 +9,12 @@
   budget; token authentication is on unless the caller's environment says otherwise (the token comes
   from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``, as Ray looks for it).
 
+Ray starts its worker processes at niceness 15 (``worker_niceness``) so that tasks yield to the
+driver. Specter's workers are the engine itself (the verify pass, the copy thread, the draft), so
+the embedded Ray runs them at 0: at 15, any ordinary load on the machine starves them (the test
+suite under ``stress-ng --cpu 2`` got through 15 tests in 30 minutes). A cluster's own ``ray start``
+decides for its nodes (set ``RAY_worker_niceness=0`` there too).
+
 Ray replaces a loopback address (``127.0.0.1``, ``localhost``) by the machine's interface address
 before it binds or connects (``ray._private.services.resolve_ip_for_localhost``); ``_loopback_kept``
 leaves loopback as given while ``ray.init`` runs, so a one-machine Ray stays off the network and the
@@ -50,6 +56,7 @@ def start_local(num_cpus: int = 2, **options: Any) -> None:
     """Start a Ray on this machine, bound to loopback, with token authentication (``options`` go to
     ``ray.init``; the dashboard stays off unless they turn it on)."""
     _token_auth(os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
+    os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts (see above)
     options.setdefault("include_dashboard", False)
     with _loopback_kept():
         ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)

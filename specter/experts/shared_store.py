@@ -22,7 +22,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from specter.experts.shm import SHM_DIR, SharedSlotsError, _shm_unlink, _untrack
+from specter.experts.shm import SHM_DIR, SharedSlotsError, _open, _shm_unlink
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,7 @@ class SharedArena:
     @classmethod
     def create(cls, name: str, numel: int, dtype: torch.dtype) -> SharedArena:
         """A new zero-filled segment of ``numel`` elements (mode 0600)."""
-        try:
-            shm = SharedMemory(name, create=True, size=max(numel * dtype.itemsize, 1))
-        except FileExistsError:
-            raise SharedSlotsError(f"shared memory {name!r} exists already: use a fresh prefix") from None
-        _untrack(shm)
+        shm = _open(name, numel * dtype.itemsize)  # the slots' own constructor: 0600, untracked
         return cls(name, torch.frombuffer(shm.buf, dtype=dtype, count=numel), True, shm)
 
     @classmethod

@@ -1,7 +1,9 @@
 """The benchmark: every policy on the same prompts, interleaved in one process, per link profile.
 
-Absolute CPU times are noise on a shared machine; the evidence is the ratios between policies
-measured side by side in one run. See docs/benchmark.md for the method.
+By default on the virtual clock (``specter/clock.py``): compute charged from the profile's GPU cost
+model, link and host as discrete events, so the ratios do not depend on this machine or its load.
+On the wall clock absolute CPU times are noise on a shared machine and the evidence is the ratios
+between policies measured side by side in one run. See docs/benchmark.md for the method.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 
 import torch
 
-from specter.config import LinkConfig, SlotConfig
+from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.costs import Timing, resolve_timing
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.loader import build_dense
 from specter.plan import POLICIES, drafts, policy_class
-from specter.profiles import PROFILES, Profile, simulated_host
+from specter.profiles import PROFILES, Profile
 from specter.target import OffloadedTarget
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,12 @@ class BenchConfig:
     new_tokens: int = 128
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
     actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
-    step_s: float | None = None  # this machine's all-resident step time; None: measure it first
+    step_s: float | None = None  # this machine's all-resident step time (wall, measured); None: measure it
+    clock: str = "virtual"  # wall | virtual | measured (specter/clock.py)
+    rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
+    draft_mode: str | None = None  # the draft's expert mode; None: auto on the wall clock, else fixed
+    scan_prompts: list[list[int]] = field(default_factory=list)  # the K scan's (None: the first two)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[float, int]:
@@ -84,13 +92,26 @@ def budget_for(config: BenchConfig, profile: Profile) -> SlotConfig:
     return SlotConfig(fraction=budget_fraction(config, profile), per_layer=config.per_layer)
 
 
-def load_target(config: BenchConfig, link: LinkConfig, profile: Profile, policy: str) -> OffloadedTarget:
-    """A target for ``policy`` at the profile's budget, with the profile's host CPU scaled like its link."""
-    budget = budget_for(config, profile)
-    target = OffloadedTarget.load(config.model, budget, link, policy)
-    shape = target.loaded.shape
-    target.offload.set_host(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel, profile.name))
+def load_target(config: BenchConfig, timing: Timing, profile: Profile, policy: str) -> OffloadedTarget:
+    """A target for ``policy`` at the profile's budget, on its own clock, with the profile's link and host."""
+    target = OffloadedTarget.load(config.model, budget_for(config, profile), timing.link, policy,
+                                  clock=timing.make_clock())
+    target.offload.set_host(timing.host)
     return target
+
+
+def timings(config: BenchConfig) -> tuple[dict[str, Timing], float | None, int | None]:
+    """Each profile's clock, link and host; on the wall and measured clocks also this CPU's
+    all-resident step and bytes per fully-missed token (measured once, shared by the profiles)."""
+    step_s = per_token = None
+    if config.clock != "virtual":
+        if config.step_s is None:
+            step_s, per_token = resident_step_s(config.model, config.prompts[0])
+        else:  # several runs sharing one measured step share one simulated link and host
+            step_s, per_token = config.step_s, bytes_per_token(config.model)
+    out = {name: resolve_timing(config.model, config.clock, name, rho=config.rho, step_s=step_s)
+           for name in config.profiles}
+    return out, step_s, per_token
 
 
 def window_of(config: BenchConfig, policy: str) -> int:
@@ -103,45 +124,49 @@ def window_of(config: BenchConfig, policy: str) -> int:
 
 def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every policy × prompt for every profile; returns the JSON-able results."""
-    if config.step_s is None:
-        step_s, per_token = resident_step_s(config.model, config.prompts[0])
-    else:  # several runs sharing one measured step share one simulated link and host
-        step_s, per_token = config.step_s, bytes_per_token(config.model)
-    draft = load_draft(config.draft)
-    results: dict[str, Any] = {"step_s": step_s, "bytes_per_token": per_token, "profiles": {}}
+    if config.actors and config.clock != "wall":
+        raise ValueError(f"bench: the actors column runs on the wall clock; use --clock wall, not {config.clock!r}")
+    per_profile, step_s, per_token = timings(config)
+    mode = config.draft_mode or ("auto" if config.clock == "wall" else "dequant-cache")
+    draft = load_draft(config.draft, mode=mode)
+    results: dict[str, Any] = {"clock": config.clock, "step_s": step_s, "bytes_per_token": per_token,
+                               "draft_mode": getattr(draft, "mode", None), "rho_override": config.rho,
+                               "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
+                               "profiles": {}}
     first = PROFILES[config.profiles[0]]
     for policy in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
         if policy in config.policies and policy not in config.windows:
-            config.windows[policy], scan, recall = profile_window(config, draft, first, policy, step_s, per_token)
+            config.windows[policy], scan, recall = profile_window(config, draft, first, policy,
+                                                                  per_profile[first.name])
             results.setdefault("window_scan", {})[policy] = scan
             results.setdefault("window_recall", {})[policy] = recall
             log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[policy], scan)
     results["windows"] = dict(config.windows)
     for name in config.profiles:
-        profile = PROFILES[name]
-        link = link_for(profile, step_s, per_token)
+        profile, timing = PROFILES[name], per_profile[name]
         budget = budget_fraction(config, profile)
-        log.info("profile %s: rho %.1f, budget %.0f%%, simulated link %.2f MB/s", name, profile.rho, budget * 100,
-                 link.bandwidth / 1e6)
-        runs = _run_profile(config, draft, link, progress, profile)
-        results["profiles"][name] = {"rho": profile.rho, "eta": profile.eta, "rho_host": profile.rho_host,
-                                     "budget": budget,
-                                     "link_bytes_per_s": link.bandwidth, "runs": runs, "summary": summarize(runs)}
+        log.info("profile %s: %s, budget %.0f%%", name, timing.describe(), budget * 100)
+        runs = _run_profile(config, draft, timing, progress, profile)
+        results["profiles"][name] = {"rho": timing.rho, "eta": profile.eta, "rho_host": profile.rho_host,
+                                     "draft_ratio": profile.draft_ratio, "gpu_step_s": profile.step_s,
+                                     "budget": budget, "link_bytes_per_s": timing.link.bandwidth,
+                                     "runs": runs, "summary": summarize(runs)}
     return results
 
 
 def profile_window(
-    config: BenchConfig, draft: Any, profile: Profile, policy: str, step_s: float, per_token: int,
+    config: BenchConfig, draft: Any, profile: Profile, policy: str, timing: Timing,
 ) -> tuple[int, dict[int, float], dict[int, float]]:
     """The K of lowest median TPOT for ``policy`` on two prompts (a short profiling run), the
     median TPOT at every K scanned, and the mean prediction recall at every K."""
-    target = load_target(config, link_for(profile, step_s, per_token), profile, policy)
+    target = load_target(config, timing, profile, policy)
     scan: dict[int, float] = {}
     recall: dict[int, float] = {}
     try:
         for k in config.k_candidates:
             engine = Engine(target, draft, k, untimed_prefill=True)
-            stats = [engine.generate_fresh(p, min(32, config.new_tokens))[1] for p in config.prompts[:2]]
+            stats = [engine.generate_fresh(p, min(32, config.new_tokens), config.sampling)[1]
+                     for p in config.scan_prompts or config.prompts[:2]]
             scan[k] = statistics.median(s.tpot_s for s in stats)
             recall[k] = statistics.mean(float(s.extra.get("recall", 0.0)) for s in stats)
     finally:
@@ -149,12 +174,12 @@ def profile_window(
     return min(scan, key=lambda k: scan[k]), scan, recall
 
 
-def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bool, profile: Profile) -> dict:
+def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool, profile: Profile) -> dict:
     name = profile.name
     budget = budget_for(config, profile)
-    targets = {p: load_target(config, link, profile, p) for p in config.policies}
+    targets = {p: load_target(config, timing, profile, p) for p in config.policies}
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
-    handle, owns_ray = _launch_actors(config, link, budget, name) if config.actors else (None, False)
+    handle, owns_ray = _launch_actors(config, timing.link, budget, name) if config.actors else (None, False)
     if handle is not None:
         runs[ACTORS] = []
     t0 = time.perf_counter()
@@ -164,12 +189,13 @@ def _run_profile(config: BenchConfig, draft: Any, link: LinkConfig, progress: bo
                 window = window_of(config, policy)
                 use_draft = draft if drafts(policy) else None
                 engine = Engine(targets[policy], use_draft, window if use_draft else 0, untimed_prefill=True)
-                _, stats = engine.generate_fresh(prompt, config.new_tokens)
+                _, stats = engine.generate_fresh(prompt, config.new_tokens, config.sampling)
                 runs[policy].append(stats.to_dict())
             if handle is not None:  # the same policy and window, through the actors, same prompt
                 window = window_of(config, "specter")
                 out = handle.generate(prompt, config.new_tokens, window=window, policy=ACTORS_POLICY,
-                                      untimed_prefill=True)
+                                      untimed_prefill=True, temperature=config.sampling.temperature,
+                                      top_p=config.sampling.top_p, seed=config.sampling.seed)
                 runs[ACTORS].append(out["stats"])
             if progress:
                 done = i + 1

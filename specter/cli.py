@@ -20,6 +20,7 @@ from specter.draft.cli import add_quantize_command, positive_int, run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
 
+FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock (as on a GPU)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--link", type=_link, default=None,
                      help="cuda | PROFILE (e.g. mixtral-pcie4: its offload pressure on this machine) | "
                           "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
+    _add_timing(gen)
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -132,6 +134,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _profile_name(text: str) -> str:
+    from specter.profiles import PROFILES
+
+    if text not in PROFILES:
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}")
+    return text
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
+    return value
+
+
+def _add_timing(command: argparse.ArgumentParser) -> None:
+    from specter.clock import CLOCKS
+
+    command.add_argument("--clock", choices=CLOCKS, default="wall",
+                         help="wall: real time (default); virtual: compute charged from the profile's GPU cost "
+                              "model, link and host as discrete events, nothing sleeps (docs/benchmark.md); "
+                              "measured: virtual link and host, compute at its measured CPU time")
+    command.add_argument("--profile", type=_profile_name, default=None,
+                         help="a named profile's link and host (on the virtual clock also its GPU's proportions), "
+                              "docs/profiles.md; default on the virtual clock: the one of the model's family")
+    command.add_argument("--rho", type=_positive, default=None,
+                         help="set the link's bandwidth so that the offload pressure is R for this model under "
+                              "the profile (replaces the profile's link)")
+
+
+def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool = False):  # type: ignore[no-untyped-def]
+    """The run's clock, link and host from --clock/--profile/--link/--rho (``specter.costs.Timing``)."""
+    from specter.costs import Timing, resolve_timing
+
+    profile, clock, rho = getattr(args, "profile", None), getattr(args, "clock", "wall"), getattr(args, "rho", None)
+    link = args.link
+    if isinstance(link, str):  # --link PROFILE: that profile's link (and host), as before --profile
+        if profile is not None and profile != link:
+            parser.error(f"argument --link: names profile {link!r} but --profile is {profile!r}")
+        profile, link = link, None
+    if getattr(args, "address", None) is not None and clock != "wall":
+        parser.error(f"argument --clock: the actors run on the wall clock; {clock!r} is in process only")
+    if getattr(args, "address", None) is not None and rho is not None:
+        parser.error("argument --rho: not available through the actors yet; use --link sim:GBPS")
+    if link is not None and rho is not None:
+        parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
+    if rho is not None and profile is None and clock != "virtual":
+        parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
+    if cuda and clock == "wall" and profile is None and link is None:
+        return Timing("wall", LinkConfig(kind="cuda"))
+    timing = resolve_timing(args.model, clock, profile, link, rho)
+    print(timing.describe(), file=sys.stderr)
+    return timing
+
+
 def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch = commands.add_parser(
         "batch", help="generate for every prompt of a JSONL file through N replicas of the Ray actors",
@@ -149,6 +209,8 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
     batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
     batch.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
+    batch.add_argument("--profile", type=_profile_name, default=None,
+                       help="a named profile's link and host, scaled to this CPU (as --link PROFILE)")
     batch.add_argument("--max-new-tokens", type=positive_int, default=32, help="default for lines without one")
     batch.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
     batch.add_argument("--top-p", type=float, default=1.0)
@@ -195,8 +257,16 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--actors", action="store_true",
                        help="add a 'specter@actors' column: specter through the Ray actors, same prompts")
     bench.add_argument("--step-s", type=float, default=None,
-                       help="all-resident step time (s) that link and host are scaled to (default: measure it; "
-                            "on a busy machine the measurement is slow, docs/benchmark.md)")
+                       help="wall and measured clocks: the CPU's all-resident step time (s) that link and host are "
+                            "scaled to (default: measure it; on a busy machine the measurement is slow)")
+    bench.add_argument("--clock", choices=("virtual", "wall", "measured"), default="virtual",
+                       help="virtual (default): compute charged from each profile's GPU cost model, nothing "
+                            "sleeps, the same ratios on any machine; wall: real time (the actors column); "
+                            "measured: virtual link and host, compute at its measured CPU time")
+    bench.add_argument("--rho", type=_positive, default=None,
+                       help="set every profile's link so that the offload pressure is R (default: the profile's)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
+    bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")
 
 
@@ -224,7 +294,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
         windows[name] = int(k)
     count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
-    prompts = load_prompts(args.model, args.prompts, count)
+    if args.actors and args.clock != "wall":
+        parser.error("argument --actors: the actors column runs on the wall clock; add --clock wall")
+    sampling = _sampling(args, parser)
+    loaded = load_prompts(args.model, args.prompts, count + 2)  # the K scan's two come after the benchmark's
+    prompts, scan = loaded[:count], loaded[count:]
     draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
     budget = args.budget.fraction if args.budget is not None else None
     config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, budget,
@@ -232,6 +306,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.quick:
         config.k_candidates = (4, 8)
     config.actors = args.actors
+    config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
     if args.step_s is not None:
         if not args.step_s > 0:
             parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
@@ -261,21 +336,10 @@ def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return window
 
 
-def _profile_link(name: str, model: str) -> LinkConfig:
-    """A simulated link giving ``model`` on this machine the named profile's offload pressure."""
-    from specter.bench import link_for, resident_step_s
-    from specter.profiles import PROFILES
-
-    step_s, per_token = resident_step_s(model, [0, 1, 2, 3])
-    config = link_for(PROFILES[name], step_s, per_token)
-    print(f"link {name}: rho {PROFILES[name].rho:.1f}; all-resident step here {step_s * 1e3:.1f} ms "
-          f"-> simulated link {config.bandwidth / 1e6:.2f} MB/s", file=sys.stderr)
-    return config
-
-
 def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingConfig:
     try:
-        return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=getattr(args, "top_k", 0),
+                              seed=getattr(args, "seed", 0))
     except ValueError as exc:
         field, reason = str(exc).split(": ", 1)
         parser.error(f"argument --{field.replace('_', '-')}: {reason}")
@@ -292,10 +356,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.address is not None and args.device_memory is not None:
         parser.error("argument --device-memory: not available with --address yet; use --budget")
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    link = args.link or (LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
-    args.profile = link if isinstance(link, str) else None
-    if isinstance(link, str):
-        link = _profile_link(link, args.model)
+    timing = _timing(args, parser, cuda)
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
                             read_config_dict(resolve_model_dir(args.model)))
@@ -303,7 +364,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     run = _through_actors if args.address is not None else _in_process
-    tokens, text, stats = run(args, parser, link, budget, window, sampling)
+    tokens, text, stats = run(args, parser, timing, budget, window, sampling)
     if args.json:
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))
         return 0
@@ -311,7 +372,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
     where = f" via actors at {args.address}" if args.address else ""
     print(
-        f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms, hit rate "
+        f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms "
+        f"({stats.get('clock', 'wall')} clock), hit rate "
         f"{stats['hit_rate']:.2f} ({stats['hits']} hits, {stats['inflight']} in flight, {stats['misses']} misses), "
         f"{stats['bytes_moved'] / 1e6:.1f} MB moved, link busy {stats['link_busy_fraction']:.0%}{spec}]",
         file=sys.stderr,
@@ -339,24 +401,21 @@ def _eos(model: str) -> int | None:
     return eos[0] if isinstance(eos, list) else eos
 
 
-def _in_process(args, parser, link, budget, window, sampling):  # type: ignore[no-untyped-def]
+def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
     from specter.draft.loading import load_draft
     from specter.engine import Engine
     from specter.target import MemoryRequest, OffloadedTarget
 
-    draft = load_draft(args.draft, device=args.device) if args.draft is not None else None
+    mode = "auto" if timing.clock == "wall" else FIXED_DRAFT_MODE  # timed choices would vary the tokens
+    draft = load_draft(args.draft, device=args.device, mode=mode) if args.draft is not None else None
     memory = MemoryRequest(args.device_memory, getattr(draft, "device_bytes", 0), window=window)
-    target = OffloadedTarget.load(args.model, budget, link, args.policy, device=args.device,
-                                  dtype=_DTYPES.get(args.dtype or ""), memory=memory)
+    target = OffloadedTarget.load(args.model, budget, timing.link, args.policy, device=args.device,
+                                  dtype=_DTYPES.get(args.dtype or ""), memory=memory, clock=timing.make_clock())
     if target.memory_plan is not None:
         print(target.memory_plan.describe(), file=sys.stderr)
-    if args.profile is not None:  # the profile's host, scaled like its link (docs/profiles.md)
-        from specter.profiles import simulated_host
-
-        shape = target.offload.store.shape
-        target.offload.set_host(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel,
-                                               args.profile))
+    if timing.host is not None:  # the profile's host (docs/profiles.md)
+        target.offload.set_host(timing.host)
     try:
         tokenizer = target.tokenizer
         prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
@@ -368,15 +427,16 @@ def _in_process(args, parser, link, budget, window, sampling):  # type: ignore[n
     return tokens, text, stats.to_dict()
 
 
-def _through_actors(args, parser, link, budget, window, sampling):  # type: ignore[no-untyped-def]
+def _through_actors(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
     """The three Ray actors (a local Ray, or a running cluster)."""
+    link = timing.link
     from actors.client import Client
     from specter.models.checkpoint import read_config_dict, resolve_model_dir
 
     vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
     address = None if args.address == "none" else args.address
     with Client(args.model, args.draft, budget, link, args.policy, address=address,
-                connect_timeout_s=args.connect_timeout, host_profile=args.profile) as client:
+                connect_timeout_s=args.connect_timeout, host_profile=timing.profile) as client:
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
@@ -422,10 +482,8 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not todo:
         results.close()
         return 1 if bad and args.on_bad_line == "stop" else 0
-    link = args.link or LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6)
-    host_profile = link if isinstance(link, str) else None  # a profile's link comes with its host
-    if isinstance(link, str):
-        link = _profile_link(link, args.model)
+    timing = _timing(args, parser)  # the actors' wall clock; a profile's link comes with its host
+    link, host_profile = timing.link, timing.profile
     budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     tokenizer = _load_tokenizer(resolve_model_dir(args.model))
     if tokenizer is None:

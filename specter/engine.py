@@ -6,7 +6,6 @@ With no draft (or K = 0) a round is one plain decode step of the target, which i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,9 +56,10 @@ class Engine:
         self.draft = draft if window > 0 else None
         if window > 0 and proposer is None:
             assert draft is not None
-            proposer = LocalProposer(draft)
+            proposer = LocalProposer(draft, target.clock)
         self.proposer = proposer if window > 0 else None
         self.window = window
+        self.clock = target.clock
         self.policy = target.offload.policy
         self.policy.window = window
         # Benchmarks may run the prompt's prefill over an unthrottled simulated link: TPOT starts
@@ -88,7 +88,7 @@ class Engine:
         before = (self.target.offload.counters.snapshot(), _link_state(self.target), _host_state(self.target))
         self.policy.begin_request()
         tally = _Tally()
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         tcache = self.target.new_cache()
         link = self.target.link
         timed = getattr(link, "timed", None)
@@ -100,7 +100,7 @@ class Engine:
             if timed is not None:
                 link.timed = timed  # type: ignore[attr-defined]
         seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
-        commits = [time.perf_counter()]
+        commits = [self.clock.now()]
         self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
         if self.proposer is not None:
@@ -110,7 +110,7 @@ class Engine:
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
             new = self._round(round_id, seq, tcache, min(self.window, remaining - 1), sampling, gen, tally)
             seq += _until_eos(new[:remaining], eos_token_id)
-            commits += [time.perf_counter()] * len(new[:remaining])
+            commits += [self.clock.now()] * len(new[:remaining])
             self.committed = len(seq) - len(prompt_ids)
             round_id += 1
         tokens = seq[len(prompt_ids):]
@@ -159,9 +159,9 @@ class Engine:
     ) -> list[int]:
         """One round; returns the tokens it commits (accepted drafts + the target's next token)."""
         self.policy.begin_round(round_id)
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         drafts, qs, predicted = self._draft(round_id, seq, k) if k else ([], [], {})
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
         true = {layer: set(ids.flatten().tolist()) for layer, ids in self.target.offload.last_routing.items()}
@@ -172,7 +172,7 @@ class Engine:
         else:
             n, nxt = 0, choose(logits[-1], sampling, gen)
         tally.draft_s += t1 - t0
-        tally.verify_s += time.perf_counter() - t1
+        tally.verify_s += self.clock.now() - t1
         crop_cache(tcache, len(seq) + n)  # the cache held seq[:-1]; keep seq[-1] and the accepted drafts
         if self.proposer is not None:
             self.proposer.rollback(len(seq) + n)
@@ -221,6 +221,7 @@ class Engine:
             link_busy_fraction=float(busy) / total if total > 0 else 0.0,
             transfers=int(transfers),
             extra={
+                "clock": self.clock.name,
                 "policy": self.policy.name,
                 "window": self.window,
                 "rounds": len(tally.accepted),

@@ -17,6 +17,13 @@ from specter.config import HostConfig
 GB = 1e9
 TFLOPS = 1e12
 
+# The GPU side of the cost model (docs/profiles.md derives each figure).
+LAUNCH_S = 3.5e-6  # one kernel launched back to back after another, at batch 1 (no CUDA graph)
+DENSE_KERNELS = 12  # per layer: norms, q/k/v/o projections, rotary, attention, router, top-k, residuals
+EXPERT_KERNELS = 5  # per routed expert: gather, gate/up GEMV, activation×up, down GEMV, weighted add
+W4_TIME_RATIO = 0.73  # a W4A16 MoE expert GEMV at one token over its bf16 time (flashinfer PR 5301)
+FLOPS_EFFICIENCY = 0.5  # fraction of the GPU's bf16 tensor peak a prefill GEMM reaches
+
 
 @dataclass(frozen=True)
 class Host:
@@ -47,7 +54,7 @@ XEON_8480 = Host("Intel Xeon Platinum 8480+, 8x DDR5-4800", 0.5 * 307.2 * GB, 0.
 
 @dataclass(frozen=True)
 class Profile:
-    """A GPU + link + model triple.
+    """A GPU + link + model triple, and the cost model of the model's compute on that GPU.
 
     Attributes:
         link_bytes_per_s: pinned host→device bandwidth achieved in practice.
@@ -59,6 +66,10 @@ class Profile:
         budget: the device's expert slots as a fraction of the routed experts — what the GPU holds
             after the dense parts, the draft and the KV cache (docs/profiles.md); the benchmark's
             default budget for this profile.
+        layers: the real model's MoE layers.
+        kv_bytes: KV-cache bytes per position, all layers (attention reads them every pass).
+        gpu_flops: the GPU's dense bf16 tensor peak (a prefill's roofline).
+        model_type: the transformers family the profile's model belongs to.
     """
 
     name: str
@@ -69,6 +80,10 @@ class Profile:
     active_bytes: float
     hbm_bytes_per_s: float
     budget: float
+    layers: int
+    kv_bytes: float
+    gpu_flops: float
+    model_type: str
     host: Host = EPYC_7763
     efficiency: float = 0.7
     bytes_per_param: int = 2
@@ -80,8 +95,38 @@ class Profile:
 
     @property
     def step_s(self) -> float:
-        """Seconds of one all-resident decode step."""
-        return self.active_bytes / (self.hbm_bytes_per_s * self.efficiency)
+        """Seconds of one all-resident decode step: its dense part and its experts."""
+        return self.layers * self.dense_layer_s(1, 0) + self.experts_per_token * self.expert_s(1)
+
+    @property
+    def draft_step_s(self) -> float:
+        """Seconds of one decode step of the int4 draft (dense parts as the target's, experts W4A16)."""
+        return self.layers * self.dense_layer_s(1, 0) + self.experts_per_token * self.expert_s(1, int4=True)
+
+    @property
+    def draft_ratio(self) -> float:
+        """The draft's decode step over the target's all-resident one."""
+        return self.draft_step_s / self.step_s
+
+    @property
+    def dense_bytes(self) -> float:
+        """Bytes of everything a decode step reads but the routed experts (attention, shared
+        experts, embeddings and head, norms, routers)."""
+        return self.active_bytes - self.experts_per_token * self.expert_bytes
+
+    def dense_layer_s(self, positions: int, context: int) -> float:
+        """One layer's dense part over ``positions`` positions after ``context`` cached ones: its
+        weights and KV cache over HBM (or its flops, for a long prefill), plus its launches."""
+        hbm = self.hbm_bytes_per_s * self.efficiency
+        read = (self.dense_bytes + (context + positions) * self.kv_bytes) / self.layers / hbm
+        flops = 2 * self.dense_bytes / self.bytes_per_param / self.layers * positions
+        return max(read, flops / (self.gpu_flops * FLOPS_EFFICIENCY)) + DENSE_KERNELS * LAUNCH_S
+
+    def expert_s(self, tokens: int, int4: bool = False) -> float:
+        """One routed expert on ``tokens`` tokens from device memory (``int4``: the draft's W4A16)."""
+        read = self.expert_bytes / (self.hbm_bytes_per_s * self.efficiency) * (W4_TIME_RATIO if int4 else 1.0)
+        flops = self.expert_flops * tokens / (self.gpu_flops * FLOPS_EFFICIENCY)
+        return max(read, flops) + EXPERT_KERNELS * LAUNCH_S
 
     @property
     def rho(self) -> float:
@@ -115,6 +160,15 @@ class Profile:
         """A fully-missed token computed on the host, in all-resident decode steps."""
         return self.experts_per_token * self.host_expert_s(1) / self.step_s
 
+    def scaled_host(self, expert_bytes: float, expert_flops: float, sigma: float) -> HostConfig:
+        """The host for a CPU model whose experts (``expert_bytes``, ``expert_flops`` per token)
+        each stand for σ of the real model's: every real per-expert time × σ."""
+        return HostConfig(
+            bytes_per_s=self.host.bytes_per_s * expert_bytes / self.expert_bytes / sigma,
+            flops_per_s=self.host.flops_per_s * expert_flops / self.expert_flops / sigma,
+            latency=self.host.latency * sigma,
+        )
+
     def sim_host(self, link_bytes_per_s: float, expert_bytes: float, expert_flops: float) -> HostConfig:
         """The simulated host for a CPU model whose experts (``expert_bytes``, ``expert_flops`` per
         token) move over a simulated link of ``link_bytes_per_s``.
@@ -123,12 +177,7 @@ class Profile:
         (real transfer of the real expert), the factor the link's ρ already applies, so host compute
         and transfer keep the real machine's ratio at every token count.
         """
-        sigma = (expert_bytes / link_bytes_per_s) / self.link_expert_s
-        return HostConfig(
-            bytes_per_s=self.host.bytes_per_s * expert_bytes / self.expert_bytes / sigma,
-            flops_per_s=self.host.flops_per_s * expert_flops / self.expert_flops / sigma,
-            latency=self.host.latency * sigma,
-        )
+        return self.scaled_host(expert_bytes, expert_flops, (expert_bytes / link_bytes_per_s) / self.link_expert_s)
 
     def host_relative_to(self, link_bytes_per_s: float, latency: float = 0.0) -> HostConfig:
         """A host for any link when no profile is given: this profile's host rates per link rate."""
@@ -142,6 +191,13 @@ _DSV2L_EXPERT = 3 * 2048 * 1408 * 2
 _DSV2L_ACTIVE = 2.4e9 * 2
 _QWEN_EXPERT = 3 * 2048 * 1408 * 2
 _QWEN_ACTIVE = 2.7e9 * 2
+# KV cache per position, all layers, bf16: Mixtral 32 layers × 8 KV heads × 128 × (K, V);
+# DeepSeek-V2-Lite (MLA) 27 layers × (512 latent + 64 rotary); Qwen1.5-MoE 24 layers × 16 heads × 128 × (K, V).
+_MIXTRAL_KV = 32 * 8 * 128 * 2 * 2
+_DSV2L_KV = 27 * (512 + 64) * 2
+_QWEN_KV = 24 * 16 * 128 * 2 * 2
+A100_FLOPS = 312 * TFLOPS  # dense bf16 tensor peak (NVIDIA A100 data sheet)
+H100_PCIE_FLOPS = 756 * TFLOPS  # dense bf16 tensor peak (NVIDIA H100 PCIe data sheet)
 
 # Budgets. DeepSeek-V2-Lite and Qwen1.5-MoE: the published evaluation's main ("high") cases on
 # the A100-40GB, 16 of 64 and 15 of 60 experts resident per layer. Mixtral: what the GPU holds
@@ -152,17 +208,26 @@ PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
         Profile("mixtral-pcie4", "Mixtral-8x7B fp16, A100-40GB (1.56 TB/s), PCIe 4.0 x16 25 GB/s",
-                25 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 1.555e12, 32 / 256),
+                25 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 1.555e12, 32 / 256,
+                32, _MIXTRAL_KV, A100_FLOPS, "mixtral"),
         Profile("mixtral-pcie5", "Mixtral-8x7B fp16, H100 PCIe (2.0 TB/s), PCIe 5.0 x16 50 GB/s",
-                50 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 2.0e12, 146 / 256, XEON_8480),
+                50 * GB, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, 2.0e12, 146 / 256,
+                32, _MIXTRAL_KV, H100_PCIE_FLOPS, "mixtral", XEON_8480),
         Profile("dsv2lite-pcie4", "DeepSeek-V2-Lite bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
-                25 * GB, _DSV2L_EXPERT, 6 * 26, _DSV2L_ACTIVE, 1.555e12, 16 / 64),
+                25 * GB, _DSV2L_EXPERT, 6 * 26, _DSV2L_ACTIVE, 1.555e12, 16 / 64,
+                26, _DSV2L_KV, A100_FLOPS, "deepseek_v2"),
         Profile("qwen2moe-pcie4", "Qwen1.5-MoE-A2.7B bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
-                25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12, 15 / 60),
+                25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12, 15 / 60,
+                24, _QWEN_KV, A100_FLOPS, "qwen2_moe"),
     )
 }
 
 DEFAULT_HOST_PROFILE = "mixtral-pcie4"  # whose host-to-link ratio a plain simulated link gets
+
+
+def default_profile(model_type: str) -> str:
+    """The profile whose real model is of ``model_type``'s family (qwen2moe-pcie4 for any other)."""
+    return next((p.name for p in PROFILES.values() if p.model_type == model_type), "qwen2moe-pcie4")
 
 
 def simulated_host(bandwidth: float, latency: float, expert_bytes: int, expert_flops: int,

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from specter.clock import WallClock
 from specter.config import SamplingConfig
 from specter.protocol import PlanDelta
 from specter.target import crop_cache
@@ -68,10 +69,12 @@ class LocalProposer:
 
     Args:
         draft: the draft model.
+        clock: the run's clock; a virtual one is charged each draft forward (``specter/costs.py``).
     """
 
-    def __init__(self, draft: Draft):
+    def __init__(self, draft: Draft, clock: WallClock | None = None):
         self.draft = draft
+        self.clock = clock or WallClock()
         self.cache: DynamicCache | None = None
         self.done = 0  # positions the draft's cache holds
         self.sampling = SamplingConfig()
@@ -80,8 +83,8 @@ class LocalProposer:
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Draft cache over the prompt; seeds the draft's generator from the request's seed."""
         self.cache = self.draft.new_cache()
-        self.draft.forward(torch.tensor([prompt_ids]), self.cache)
-        self.done = len(prompt_ids)
+        self.done = 0
+        self._forward(prompt_ids)
         self.sampling = sampling
         self.gen.manual_seed(draft_seed(sampling.seed))
 
@@ -104,8 +107,7 @@ class LocalProposer:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for step in range(k):
-            logits = self.draft.forward(torch.tensor([pending]), self.cache)[0, -1]
-            self.done += len(pending)
+            logits = self._forward(pending)[0, -1]
             on_plan(plan_delta(round_id, step, self.draft.last_routing))
             if self.sampling.greedy:
                 token = int(torch.argmax(logits))
@@ -116,10 +118,17 @@ class LocalProposer:
             drafts.append(token)
             pending = [token]
         if route_last and drafts:
-            self.draft.forward(torch.tensor([pending]), self.cache)
-            self.done += 1
+            self._forward(pending)
             on_plan(plan_delta(round_id, k, self.draft.last_routing))
         return drafts, qs
+
+    def _forward(self, tokens: list[int]) -> torch.Tensor:
+        """One draft forward over ``tokens`` after the cached positions, charged to the clock."""
+        assert self.cache is not None, "prefill() first"
+        logits = self.draft.forward(torch.tensor([tokens]), self.cache)
+        self.clock.charge_draft(self.draft.last_routing, len(tokens), self.done)
+        self.done += len(tokens)
+        return logits
 
     def rollback(self, length: int) -> None:
         """Crop the draft cache to the accepted prefix."""

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
+from specter.clock import VirtualClock, WallClock
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.executor import OffloadedExperts
-from specter.experts.link import CudaLink, Link, SimulatedLink
+from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
 from specter.experts.slots import SlotPool
 from specter.memory import MemoryPlan, plan_memory
 from specter.models.loader import LoadedModel, build_dense, load_store
@@ -47,6 +48,7 @@ class OffloadedTarget:
         dtype: torch.dtype | None = None,
         timeout: float = 60.0,
         memory: MemoryRequest | None = None,
+        clock: WallClock | None = None,
     ) -> OffloadedTarget:
         """Load a checkpoint folder into an offloaded target.
 
@@ -59,6 +61,7 @@ class OffloadedTarget:
             dtype: compute dtype; default fp32 on a CPU (see below), the checkpoint's on a GPU.
             timeout: seconds before a transfer that never lands is an error.
             memory: device memory to plan (used when ``budget`` is None).
+            clock: the run's clock (``specter/clock.py``); a virtual one gets a virtual link.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -76,9 +79,10 @@ class OffloadedTarget:
         store = load_store(loaded, pin=pin)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
         pool = SlotPool(loaded.shape, groups, device)
+        clock = clock or WallClock()
         if isinstance(link, LinkConfig):
-            link = _make_link(link, device)
-        offload = OffloadedExperts(store, pool, link, policy, timeout=timeout)
+            link = _make_link(link, device, clock)
+        offload = OffloadedExperts(store, pool, link, policy, timeout=timeout, clock=clock)
         offload.prefill_slots()
         target = cls(loaded, offload, device)
         target.memory_plan = plan
@@ -94,12 +98,17 @@ class OffloadedTarget:
     def link(self) -> Link:
         return self.offload.link
 
+    @property
+    def clock(self) -> WallClock:
+        return self.offload.clock
+
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Logits (fp32) for ``input_ids`` (1, T) continuing ``cache``."""
+        self.offload.context = cache.get_seq_length()
         out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
         return out.logits.float()
 
@@ -143,11 +152,15 @@ def _groups(budget: SlotConfig, loaded: LoadedModel) -> dict[int, int]:
     return {-1: count}
 
 
-def _make_link(config: LinkConfig, device: torch.device) -> Link:
+def _make_link(config: LinkConfig, device: torch.device, clock: WallClock) -> Link:
     if config.kind == "cuda":
+        if isinstance(clock, VirtualClock):
+            raise ValueError("clock: a virtual clock runs a simulated link, not 'cuda'")
         if device.type != "cuda":
             raise ValueError("link: 'cuda' needs a CUDA device; use sim:GBPS on a CPU")
         return CudaLink(device)
+    if isinstance(clock, VirtualClock):
+        return VirtualLink(clock, config.bandwidth, config.latency)
     return SimulatedLink(config.bandwidth, config.latency)
 
 

@@ -9,13 +9,17 @@ import torch
 from specter.models.checkpoint import read_config_dict, resolve_model_dir
 
 
-def load_draft(draft_dir: str | Path, device: str | torch.device | None = None):  # type: ignore[no-untyped-def]
-    """A ``DraftModel`` for a quantized draft folder, else a ``ResidentDraft``."""
+def load_draft(draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto"):  # type: ignore[no-untyped-def]
+    """A ``DraftModel`` for a quantized draft folder (experts computed in ``mode``), else a ``ResidentDraft``.
+
+    ``auto`` times the modes on this machine, so which one runs (and, at near-ties, which draft
+    token wins) can differ from run to run; the virtual clock's runs pass a fixed mode.
+    """
     folder = resolve_model_dir(draft_dir)
     if "quantization_config" in read_config_dict(folder):
         from specter.draft.runner import DraftModel
 
-        return DraftModel.load(folder, device=device)
+        return DraftModel.load(folder, device=device, mode=mode)
     from specter.draft.resident import ResidentDraft
 
     return ResidentDraft(folder, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,16 +15,16 @@ store blob instead, while the device runs the rest; the layer ends when both are
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from specter.clock import WallClock
 from specter.config import HostConfig
 from specter.experts.host import HostCompute
-from specter.experts.link import DEMAND, PREFETCH, Link, SimulatedLink, Transfer
+from specter.experts.link import DEMAND, PREFETCH, Link, SimulatedLink, Transfer, VirtualLink
 from specter.experts.slots import ChooseVictim, Key, SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
 from specter.plan.base import Policy
@@ -32,9 +32,13 @@ from specter.stats import OffloadCounters
 
 
 class OffloadedExperts:
-    """The target's routed experts: host store + device slots + link + policy."""
+    """The target's routed experts: host store + device slots + link + policy, on one clock."""
 
-    def __init__(self, store: ExpertStore, pool: SlotPool, link: Link, policy: Policy, timeout: float = 60.0):
+    def __init__(
+        self, store: ExpertStore, pool: SlotPool, link: Link, policy: Policy, timeout: float = 60.0,
+        clock: WallClock | None = None,
+    ):
+        self.clock = link.clock if isinstance(link, VirtualLink) else (clock or WallClock())
         self.store = store
         self.pool = pool
         self.link = link
@@ -42,13 +46,14 @@ class OffloadedExperts:
         self.timeout = timeout
         self.counters = OffloadCounters()
         self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
+        self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
         self.on_cuda = pool.storage.is_cuda
-        self.host: HostCompute | None = default_host(link, store.shape, self.on_cuda)
+        self.host: HostCompute | None = default_host(link, store.shape, self.on_cuda, self.clock)
         policy.bind(self)
 
     def set_host(self, config: HostConfig | None) -> None:
         """The host's compute rate (None: no host compute); a profile sets it (``docs/profiles.md``)."""
-        self.host = None if config is None or self.on_cuda else HostCompute(config, self.store.shape)
+        self.host = None if config is None or self.on_cuda else HostCompute(config, self.store.shape, self.clock)
 
     # -- moving experts -------------------------------------------------------------------
     def fetch(
@@ -79,7 +84,7 @@ class OffloadedExperts:
         if transfer is None:
             return
         self.link.promote(transfer)
-        self.counters.wait_s += transfer.wait(self.timeout)
+        self.counters.wait_s += self.link.wait(transfer, self.timeout)
         self.pool.finish_loading(key)
 
     def reset_residency(self) -> None:
@@ -119,6 +124,7 @@ class OffloadedExperts:
         needed = sorted(set(top_k_index.flatten().tolist()))
         self.last_routing[layer] = top_k_index
         self.counters.layers += 1
+        self.clock.charge_dense(hidden.shape[0], self.context)
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -185,7 +191,7 @@ class OffloadedExperts:
         host = self.host
         if host is None or not self.policy.host_compute or not (pending or missing):
             return []
-        now = time.perf_counter()
+        now = self.clock.now()
         link_t, host_t = self.link.free_at(now), max(now, host.free_at)
         nbytes = self.store.shape.nbytes
         chosen: list[Key] = []
@@ -221,7 +227,7 @@ class OffloadedExperts:
         """One expert computed on the host from its blob: the slot path's math on the same bytes."""
         assert self.host is not None
         gate_up, down = self.store.shape.split(self.store.blob(*key))
-        self.host.start(_tokens(top_k_index, key[1]), time.perf_counter())
+        self.host.start(_tokens(top_k_index, key[1]), self.clock.now())
         return _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
 
     def _finish_host(self, on_host: list[Key]) -> None:
@@ -261,6 +267,7 @@ class OffloadedExperts:
         """One expert on its tokens, exactly as the eager loop computes it; then unpin its slot."""
         gate_up, down = self.pool.view(key)
         out = _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
+        self.clock.charge_expert(len(out[0]))
         event = None
         if self.on_cuda:  # on the pool's device's stream: the current device may be another one
             event = torch.cuda.Event()
@@ -285,7 +292,7 @@ def _tokens(top_k_index: torch.Tensor, expert: int) -> int:
     return int((top_k_index == expert).sum())
 
 
-def default_host(link: Link, shape: ExpertShape, on_cuda: bool) -> HostCompute | None:
+def default_host(link: Link, shape: ExpertShape, on_cuda: bool, clock: WallClock) -> HostCompute | None:
     """Host compute for a simulated link with no profile: the default profile's host-to-link ratio.
 
     None on a GPU (the host path would run synchronously on the compute stream; not done yet) and
@@ -295,4 +302,4 @@ def default_host(link: Link, shape: ExpertShape, on_cuda: bool) -> HostCompute |
         return None
     from specter.profiles import simulated_host
 
-    return HostCompute(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel), shape)
+    return HostCompute(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel), shape, clock)

@@ -6,13 +6,14 @@ blob) while the device runs the resident experts; the layer ends at max(device p
 
 On a CPU the host's time is simulated as the link's is: the math runs at once, and the layer then
 waits until the host's deadline, ``HostConfig.expert_s`` after the host was free. One expert at a
-time (experts share the host's memory bandwidth), so deadlines queue.
+time (experts share the host's memory bandwidth), so deadlines queue. Deadlines are in the run's
+clock (``specter/clock.py``): on the wall clock the layer sleeps until one, on a virtual clock
+waiting moves the clock to it.
 """
 
 from __future__ import annotations
 
-import time
-
+from specter.clock import WallClock
 from specter.config import HostConfig
 from specter.experts.store import ExpertShape
 
@@ -23,14 +24,16 @@ class HostCompute:
     Args:
         config: the host's rate (bytes/s, flops/s, per-expert latency).
         shape: the routed experts' shape (bytes read and flops per token of one expert).
+        clock: the run's clock (default: the wall clock).
     """
 
-    def __init__(self, config: HostConfig, shape: ExpertShape):
+    def __init__(self, config: HostConfig, shape: ExpertShape, clock: WallClock | None = None):
         self.config = config
+        self.clock = clock or WallClock()
         self.nbytes = shape.nbytes
         self.flops_per_token = 2 * shape.numel  # one multiply-add per weight per token
         self.timed = True
-        self.free_at = 0.0  # perf_counter time at which the host finishes its queued experts
+        self.free_at = 0.0  # clock time at which the host finishes its queued experts
         self.experts = 0  # experts computed on the host
         self.busy_s = 0.0  # simulated host compute time
         self.wait_s = 0.0  # time the layer waited for the host after the device part was done
@@ -53,12 +56,9 @@ class HostCompute:
 
     def finish(self) -> float:
         """Block until the host's queued experts are done; returns the seconds waited."""
-        remaining = self.free_at - time.perf_counter()
-        if remaining <= 0:
-            return 0.0
-        time.sleep(remaining)
-        self.wait_s += remaining
-        return remaining
+        waited = self.clock.wait_until(self.free_at)
+        self.wait_s += waited
+        return waited
 
     def snapshot(self) -> tuple[int, float, float]:
         return self.experts, self.busy_s, self.wait_s

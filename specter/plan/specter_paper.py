@@ -11,7 +11,6 @@ protected. K is chosen per model by profiling over {2, 4, 6, 8, 12, 16, 20, 24, 
 from __future__ import annotations
 
 import math
-import time
 
 from specter.experts.slots import Key
 from specter.plan.base import Policy
@@ -44,13 +43,13 @@ class SpecterPaper(Policy):
     def begin_round(self, round_id: int) -> None:
         self.plan.reset(round_id)
         self._next_point = max(1, math.floor(0.2 * self.window))
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = self.offload.clock.now() if self.offload is not None else None
         self._update_bandwidth()
 
     def on_plan(self, delta: PlanDelta) -> None:
         if self.offload is None or not self.plan.add(delta):
             return
-        now = time.perf_counter()
+        now = self.offload.clock.now()
         if self._last_step_end is not None:
             self.step_s = _ema(self.step_s, now - self._last_step_end)
         self._last_step_end = now

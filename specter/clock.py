@@ -1,0 +1,137 @@
+"""Whose seconds a run is measured in: the wall clock's, or a virtual clock's.
+
+``WallClock``: real time. Compute takes what it takes, the simulated link and host sleep until
+their transfers and experts are done. Figures then depend on this machine and its load.
+
+``VirtualClock``: a discrete-event clock with three resources — the device's compute, the link
+(``specter.experts.link.VirtualLink``: one transfer at a time, priorities and cancels as on the
+wall clock) and the host's expert compute (``specter.experts.host.HostCompute``). Every forward
+still runs for real (tokens, routing and acceptance are the model's), but nothing sleeps: a wait
+advances the clock to when the transfer lands or the host is done. How long compute takes is
+
+* ``costs`` given (clock name ``virtual``): *charged* from a cost model
+  (``specter.costs.CostModel``): a GPU's proportions, the same on any machine and under any load;
+* no ``costs`` (clock name ``measured``): the compute's measured duration on this CPU — the main
+  thread's real time between two readings of the clock, less the link's bookkeeping — which is
+  the wall clock without its sleeps (``docs/benchmark.md`` validates it against the wall clock).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specter.costs import CostModel
+    from specter.proposer import Routing
+
+CLOCKS = ("wall", "virtual", "measured")
+
+
+class WallClock:
+    """Real time (``time.perf_counter``); charges are no-ops, waits sleep."""
+
+    name = "wall"
+    virtual = False
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wait_until(self, deadline: float) -> float:
+        """Block until ``deadline``; returns the seconds waited."""
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return 0.0
+        time.sleep(remaining)
+        return remaining
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Work that is not the device's (the virtual link's copies); on the wall clock it counts."""
+        yield
+
+    def charge_dense(self, positions: int, context: int) -> None:
+        """One MoE layer's dense part (attention, norms, router) over ``positions`` positions."""
+
+    def charge_expert(self, tokens: int) -> None:
+        """One routed expert of the target on ``tokens`` tokens, from a device slot."""
+
+    def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
+        """One draft forward over ``positions`` positions with ``routing`` per MoE layer."""
+
+    def describe(self) -> str:
+        return "wall"
+
+
+class VirtualClock(WallClock):
+    """Virtual seconds, starting at 0; compute charged from ``costs`` (None: measured).
+
+    Args:
+        costs: the cost model; None charges each stretch of compute its measured duration.
+    """
+
+    virtual = True
+
+    def __init__(self, costs: CostModel | None = None):
+        self.costs = costs
+        self.name = "virtual" if costs is not None else "measured"
+        self._t = 0.0
+        self._mark = time.perf_counter()
+
+    def now(self) -> float:
+        if self.costs is None:  # the compute since the last reading took what it took
+            mark = time.perf_counter()
+            self._t += mark - self._mark
+            self._mark = mark
+        return self._t
+
+    def wait_until(self, deadline: float) -> float:
+        now = self.now()
+        if deadline <= now:
+            return 0.0
+        self._t = deadline
+        return deadline - now
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        self.now()
+        try:
+            yield
+        finally:
+            self._mark = time.perf_counter()
+
+    def advance(self, seconds: float) -> None:
+        self._t += seconds
+
+    def charge_dense(self, positions: int, context: int) -> None:
+        if self.costs is not None:
+            self._t += self.costs.dense_s(positions, context)
+
+    def charge_expert(self, tokens: int) -> None:
+        if self.costs is not None:
+            self._t += self.costs.expert_s(tokens)
+
+    def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
+        if self.costs is not None:
+            self._t += self.costs.draft_s(routing, positions, context)
+
+    def describe(self) -> str:
+        return f"virtual ({self.costs.describe()})" if self.costs is not None else "measured (virtual link and host)"
+
+
+Clock = WallClock  # the interface: WallClock's methods; VirtualClock is the other implementation
+
+
+def make_clock(name: str, costs: CostModel | None = None) -> WallClock:
+    """``wall`` | ``virtual`` (needs ``costs``) | ``measured``."""
+    if name == "wall":
+        return WallClock()
+    if name == "virtual":
+        if costs is None:
+            raise ValueError("clock: 'virtual' charges compute from a cost model; give a profile")
+        return VirtualClock(costs)
+    if name == "measured":
+        return VirtualClock(None)
+    raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {name!r}")

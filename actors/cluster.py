@@ -59,7 +59,7 @@ def start_local(num_cpus: int = 2, **options: Any) -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts (see above)
     options.setdefault("include_dashboard", False)
     with _loopback_kept():
-        ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)
 
 
 def attach(address: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:

@@ -29,6 +29,7 @@ from specter.target import OffloadedTarget
 
 log = logging.getLogger(__name__)
 
+FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock (a timed choice varies tokens)
 BASELINE = "demand-lru"
 ACTORS = "specter@actors"
 ACTORS_POLICY = "specter"  # the full policy, host compute included, through the three actors
@@ -127,7 +128,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     if config.actors and config.clock != "wall":
         raise ValueError(f"bench: the actors column runs on the wall clock; use --clock wall, not {config.clock!r}")
     per_profile, step_s, per_token = timings(config)
-    mode = config.draft_mode or ("auto" if config.clock == "wall" else "dequant-cache")
+    mode = config.draft_mode or ("auto" if config.clock == "wall" else FIXED_DRAFT_MODE)
     draft = load_draft(config.draft, mode=mode)
     results: dict[str, Any] = {"clock": config.clock, "step_s": step_s, "bytes_per_token": per_token,
                                "draft_mode": getattr(draft, "mode", None), "rho_override": config.rho,

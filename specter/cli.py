@@ -20,7 +20,6 @@ from specter.draft.cli import add_quantize_command, positive_int, run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
 
-FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock (as on a GPU)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -265,6 +264,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "measured: virtual link and host, compute at its measured CPU time")
     bench.add_argument("--rho", type=_positive, default=None,
                        help="set every profile's link so that the offload pressure is R (default: the profile's)")
+    bench.add_argument("--draft-mode", choices=("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly"),
+                       default=None, help="the draft's expert mode (default: auto on the wall clock, else "
+                                          "dequant-cache: a timed choice varies the draft's tokens)")
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")
@@ -307,6 +309,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config.k_candidates = (4, 8)
     config.actors = args.actors
     config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
+    config.draft_mode = args.draft_mode
     if args.step_s is not None:
         if not args.step_s > 0:
             parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
@@ -403,6 +406,7 @@ def _eos(model: str) -> int | None:
 
 def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
+    from specter.bench import FIXED_DRAFT_MODE
     from specter.draft.loading import load_draft
     from specter.engine import Engine
     from specter.target import MemoryRequest, OffloadedTarget

@@ -1,0 +1,75 @@
+"""Validate the measured clock against the wall clock: same prompts, same link and host, each
+policy run on both clocks back to back (interleaved), median TPOT per policy and their ratio.
+
+    python scripts/validate_clock.py --profile qwen2moe-pcie4 --num-prompts 3 --new-tokens 32
+
+The measured clock charges compute its measured CPU time and runs the link and host as virtual
+events; if it is a faithful account of the wall clock, every ratio is within ±10 % on a quiet
+machine. One torch thread by default, so the wall clock's link thread has the other core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from specter.assets import DEFAULT_MODEL
+from specter.bench import BenchConfig, load_target, resident_step_s, window_of
+from specter.costs import resolve_timing
+from specter.draft.loading import load_draft
+from specter.engine import Engine
+from specter.plan import drafts
+from specter.profiles import PROFILES
+from specter.prompts import load_prompts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--profile", default="qwen2moe-pcie4", choices=list(PROFILES))
+    parser.add_argument("--policies", default="demand-lru,demand-host,specter-paper,specter-paper+host,specter")
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--window", type=int, default=8, help="K of the drafting policies")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.model, None, args.num_prompts)
+    policies = [p for p in args.policies.split(",") if p]
+    draft = load_draft(args.model + "-awq", mode="dequant-cache")
+    step_s, _ = resident_step_s(args.model, prompts[0])
+    config = BenchConfig(args.model, args.model + "-awq", prompts, [args.profile], policies,
+                         {p: args.window for p in policies if drafts(p)}, new_tokens=args.new_tokens)
+    profile = PROFILES[args.profile]
+    clocks = {c: resolve_timing(args.model, c, args.profile, step_s=step_s) for c in ("wall", "measured")}
+    print(f"{args.profile}: CPU all-resident step {step_s * 1e3:.2f} ms, {clocks['wall'].describe()}", flush=True)
+    tpot: dict[tuple[str, str], list[float]] = {(p, c): [] for p in policies for c in clocks}
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        for policy in policies:
+            for clock, timing in clocks.items():
+                target = load_target(config, timing, profile, policy)
+                window = window_of(config, policy)
+                try:
+                    engine = Engine(target, draft if drafts(policy) else None, window if drafts(policy) else 0,
+                                    untimed_prefill=True)
+                    tpot[(policy, clock)].append(engine.generate_fresh(prompt, args.new_tokens)[1].tpot_s)
+                finally:
+                    target.close()
+        print(f"  prompt {i + 1}/{len(prompts)} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    print(f"\n{'policy':<22}{'wall ms':>10}{'measured ms':>13}{'measured/wall':>15}")
+    worst = 0.0
+    for policy in policies:
+        wall, measured = (statistics.median(tpot[(policy, c)]) for c in clocks)
+        worst = max(worst, abs(measured / wall - 1))
+        print(f"{policy:<22}{wall * 1e3:>10.2f}{measured * 1e3:>13.2f}{measured / wall:>14.3f}x")
+    print(f"\nlargest deviation {worst:.1%} ({'within' if worst <= 0.10 else 'outside'} ±10 %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -260,8 +260,9 @@ def table(results: dict[str, Any]) -> str:
     for name, block in results["profiles"].items():
         host = f", host eta {block['eta']:.2f}" if "eta" in block else ""
         budget = f", budget {block['budget']:.0%}" if "budget" in block else ""
-        lines.append(f"\nprofile {name} (rho {block['rho']:.1f}{host}{budget}, sim link "
-                     f"{block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
+        draft = f", draft/target {block['draft_ratio']:.2f}" if "draft_ratio" in block else ""
+        lines.append(f"\nprofile {name} ({results.get('clock', 'wall')} clock, rho {block['rho']:.1f}{host}{draft}"
+                     f"{budget}, link {block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
         lines.append(f"{'policy':<18}{'K':>3}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
                      f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}")
         for policy, s in block["summary"].items():

@@ -1,0 +1,178 @@
+"""Sweeps on the virtual clock: ρ, budget, and the machine (host→device link × host memory).
+
+    python scripts/sweep.py rho --rhos 1,3,10,30,100 --budget 0.25
+    python scripts/sweep.py budget --budgets 0.125,0.25,0.5,0.75
+    python scripts/sweep.py machine --links pcie3,pcie4,pcie5,c2c --hosts ddr4,ddr5,lpddr5x --budgets 0.125,0.4
+
+Every point is one ``specter bench`` run (same prompts, policies interleaved) on the virtual clock,
+so a sweep takes minutes and its figures do not depend on this machine's load. ``machine`` keeps
+the profile's GPU and model and swaps its link and host CPU (docs/profiles.md derives each one);
+it prints the speedup of each policy over ``demand-lru`` and over ``demand-host`` and plots speedup
+against link bandwidth. Results go to ``--out`` as JSON (and PNG for ``machine``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from specter import bench
+from specter.assets import DEFAULT_MODEL
+from specter.profiles import GB, PROFILES, TFLOPS, Host
+from specter.prompts import load_prompts
+
+# Host→device links, pinned copies as achieved in practice (docs/profiles.md).
+LINKS = {
+    "pcie3": ("PCIe 3.0 x16", 12 * GB),
+    "pcie4": ("PCIe 4.0 x16", 25 * GB),
+    "pcie5": ("PCIe 5.0 x16", 50 * GB),
+    "c2c": ("NVLink-C2C (Grace Hopper)", 0.8 * 450 * GB),
+}
+# Host CPUs and their memory: DRAM peak × 0.5 for a batch-1 GEMV, fp32 FMA peak × 0.3.
+HOSTS = {
+    "ddr4": Host("AMD EPYC 7763, 8x DDR4-3200", 0.5 * 204.8 * GB, 0.3 * 5.0 * TFLOPS),
+    "ddr5": Host("Intel Xeon Platinum 8480+, 8x DDR5-4800", 0.5 * 307.2 * GB, 0.3 * 7.2 * TFLOPS),
+    # Grace: 72 Neoverse V2 cores × 3.1 GHz × 32 fp32 flops/cycle (4 × 128-bit FMA) = 7.1 TFLOPS;
+    # LPDDR5X 480 GB/s (the 480 GB configuration's published bandwidth).
+    "lpddr5x": Host("NVIDIA Grace, LPDDR5X", 0.5 * 480 * GB, 0.3 * 7.1 * TFLOPS),
+}
+POLICIES = "demand-lru,demand-host,specter-paper+host,specter"
+
+
+def _config(args: argparse.Namespace, profiles: list[str], budget: float | None, rho: float | None) -> bench.BenchConfig:
+    prompts = load_prompts(args.model, None, args.num_prompts)
+    policies = [p for p in args.policies.split(",") if p]
+    windows = {p: args.window for p in policies if bench.drafts(p)}
+    config = bench.BenchConfig(args.model, args.model + "-awq", prompts, profiles, policies, windows, budget,
+                               new_tokens=args.new_tokens)
+    config.rho = rho
+    return config
+
+
+def _point(config: bench.BenchConfig) -> dict[str, Any]:
+    results = bench.run(config, progress=False)
+    return {name: {"rho": block["rho"], "budget": block["budget"],
+                   "tpot_ms": {p: s["tpot_s"] * 1e3 for p, s in block["summary"].items()}}
+            for name, block in results["profiles"].items()}
+
+
+def _print_rows(title: str, rows: list[tuple[str, dict[str, float]]]) -> None:
+    policies = list(rows[0][1])
+    print(f"\n{title}\n{'point':<28}" + "".join(f"{p:>20}" for p in policies)
+          + f"{'best baseline/specter':>23}")
+    for label, tpot in rows:
+        best = min(tpot.get("demand-lru", float("inf")), tpot.get("demand-host", float("inf")))
+        ratio = best / tpot["specter"] if "specter" in tpot else float("nan")
+        print(f"{label:<28}" + "".join(f"{tpot[p]:>17.2f} ms" for p in policies) + f"{ratio:>22.2f}x")
+
+
+def sweep_rho(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for rho in (float(x) for x in args.rhos.split(",")):
+        out[rho] = _point(_config(args, [args.profile], args.budget, rho))[args.profile]
+    _print_rows(f"rho sweep ({args.profile}, budget {args.budget or PROFILES[args.profile].budget:.0%}, virtual clock)",
+                [(f"rho {rho:g}", p["tpot_ms"]) for rho, p in out.items()])
+    return out
+
+
+def sweep_budget(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for budget in (float(x) for x in args.budgets.split(",")):
+        out[budget] = _point(_config(args, [args.profile], budget, args.rho))[args.profile]
+    _print_rows(f"budget sweep ({args.profile}, rho {out[next(iter(out))]['rho']:.1f}, virtual clock)",
+                [(f"budget {b:.1%}", p["tpot_ms"]) for b, p in out.items()])
+    return out
+
+
+def sweep_machine(args: argparse.Namespace) -> dict[str, Any]:
+    base = PROFILES[args.profile]
+    out: dict[str, Any] = {}
+    for budget in (float(x) for x in args.budgets.split(",")):
+        for host_name in args.hosts.split(","):
+            for link_name in args.links.split(","):
+                name = f"{args.profile}/{link_name}/{host_name}"
+                label, bandwidth = LINKS[link_name]
+                PROFILES[name] = dataclasses.replace(base, name=name, link_bytes_per_s=bandwidth,
+                                                     host=HOSTS[host_name], description=f"{base.name} over {label}")
+                try:
+                    point = _point(_config(args, [name], budget, None))[name]
+                finally:
+                    del PROFILES[name]
+                point.update(link=link_name, host=host_name, link_gb_s=bandwidth / GB)
+                out[f"{name}@{budget:g}"] = point
+                print(f"  {name} budget {budget:.1%}: rho {point['rho']:.2f} done", flush=True)
+    print(f"\nmachine sweep ({args.profile}'s model and GPU; speedup of specter over demand-lru | demand-host)")
+    print(f"{'budget':<8}{'host':<10}" + "".join(f"{link:>20}" for link in args.links.split(",")))
+    for budget in (float(x) for x in args.budgets.split(",")):
+        for host_name in args.hosts.split(","):
+            cells = []
+            for link_name in args.links.split(","):
+                t = out[f"{args.profile}/{link_name}/{host_name}@{budget:g}"]["tpot_ms"]
+                cells.append(f"{t['demand-lru'] / t['specter']:.2f}x | {t['demand-host'] / t['specter']:.2f}x")
+            print(f"{budget:<8.1%}{host_name:<10}" + "".join(f"{c:>20}" for c in cells))
+    _plot_machine(out, Path(args.out))
+    return out
+
+
+def _plot_machine(out: dict[str, Any], folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple[str, str, float], list[tuple[float, float]]] = {}
+    for point in out.values():
+        t = point["tpot_ms"]
+        for policy in t:
+            if policy == "demand-lru":
+                continue
+            key = (policy, point["host"], point["budget"])
+            series.setdefault(key, []).append((point["link_gb_s"], t["demand-lru"] / t[policy]))
+    for (policy, host, budget), xy in sorted(series.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{policy}, {host}, {budget:.0%}")
+    ax.set_xscale("log")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("host→device link, GB/s (pinned, achieved)")
+    ax.set_ylabel("speedup over demand-lru (TPOT)")
+    ax.set_title("Virtual clock: speedup against the link")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    fig.savefig(folder / "machine_sweep.png", dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=("rho", "budget", "machine"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--profile", default="qwen2moe-pcie4", choices=list(PROFILES))
+    parser.add_argument("--policies", default=POLICIES)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--window", type=int, default=8, help="K of the drafting policies (no scan)")
+    parser.add_argument("--rhos", default="1,3,10,30,100")
+    parser.add_argument("--rho", type=float, default=None, help="budget sweep: at this rho (default: profile's)")
+    parser.add_argument("--budget", type=float, default=None, help="rho sweep: at this budget (default: profile's)")
+    parser.add_argument("--budgets", default="0.125,0.25,0.5,0.75")
+    parser.add_argument("--links", default="pcie3,pcie4,pcie5,c2c")
+    parser.add_argument("--hosts", default="ddr4,ddr5,lpddr5x")
+    parser.add_argument("--out", default="runs/sweep")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    out = {"rho": sweep_rho, "budget": sweep_budget, "machine": sweep_machine}[args.kind](args)
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{args.kind}.json").write_text(json.dumps({str(k): v for k, v in out.items()}, indent=1))
+    print(f"\n{args.kind} sweep: {len(out)} points in {time.perf_counter() - t0:.0f} s -> {folder}/{args.kind}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specter import bench
 from specter.assets import DEFAULT_MODEL
 from specter.profiles import GB, PROFILES, TFLOPS, Host
@@ -165,6 +167,7 @@ def main() -> int:
     parser.add_argument("--hosts", default="ddr4,ddr5,lpddr5x")
     parser.add_argument("--out", default="runs/sweep")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
     t0 = time.perf_counter()
     out = {"rho": sweep_rho, "budget": sweep_budget, "machine": sweep_machine}[args.kind](args)
     folder = Path(args.out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import NoReturn
 
@@ -314,6 +315,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.step_s > 0:
             parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
         config.step_s = args.step_s
+    if args.clock == "virtual" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
     results = bench.run(config)
     print(bench.table(results))
     print()

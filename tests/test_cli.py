@@ -68,5 +68,6 @@ def test_link_profile_sets_a_simulated_link_from_the_measured_step(tiny_dir, cap
     assert main(["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
                  "--link", "dsv2lite-pcie4", "--json"]) == 0
     captured = capsys.readouterr()
-    assert "rho 24.5" in captured.err and "simulated link" in captured.err
-    assert json.loads(captured.out.strip().splitlines()[-1])["stats"]["misses"] >= 0
+    assert "clock wall (profile dsv2lite-pcie4, rho 13.1, link" in captured.err
+    stats = json.loads(captured.out.strip().splitlines()[-1])["stats"]
+    assert stats["misses"] >= 0 and stats["clock"] == "wall"

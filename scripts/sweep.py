@@ -122,29 +122,41 @@ def sweep_machine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _plot_machine(out: dict[str, Any], folder: Path) -> None:
+    """Speedup over demand-lru against link bandwidth: one panel per budget, a colour per policy,
+    a line style per host memory."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, ScalarFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[tuple[str, str, float], list[tuple[float, float]]] = {}
-    for point in out.values():
-        t = point["tpot_ms"]
-        for policy in t:
-            if policy == "demand-lru":
+    budgets = sorted({p["budget"] for p in out.values()})
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4.2), sharey=True, squeeze=False)
+    styles = dict(zip(HOSTS, ("-", "--", ":"), strict=True))
+    colours: dict[str, str] = {}
+    for ax, budget in zip(axes[0], budgets, strict=True):
+        series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for point in out.values():
+            if point["budget"] != budget:
                 continue
-            key = (policy, point["host"], point["budget"])
-            series.setdefault(key, []).append((point["link_gb_s"], t["demand-lru"] / t[policy]))
-    for (policy, host, budget), xy in sorted(series.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{policy}, {host}, {budget:.0%}")
-    ax.set_xscale("log")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("host→device link, GB/s (pinned, achieved)")
-    ax.set_ylabel("speedup over demand-lru (TPOT)")
-    ax.set_title("Virtual clock: speedup against the link")
-    ax.legend(fontsize=6, ncol=2)
+            t = point["tpot_ms"]
+            for policy in t:
+                if policy != "demand-lru":
+                    series.setdefault((policy, point["host"]), []).append((point["link_gb_s"], t["demand-lru"] / t[policy]))
+        for (policy, host), xy in sorted(series.items()):
+            xy.sort()
+            colour = colours.setdefault(policy, f"C{len(colours)}")
+            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", color=colour, ls=styles.get(host, "-"),
+                    label=f"{policy}, {host}")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([v / 1e9 for _, v in LINKS.values()]))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(FixedLocator([]))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"budget {budget:.0%}")
+        ax.set_xlabel("host→device link, GB/s (PCIe 3/4/5 x16, NVLink-C2C)")
+    axes[0][0].set_ylabel("speedup over demand-lru (TPOT, virtual clock)")
+    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     folder.mkdir(parents=True, exist_ok=True)
     fig.savefig(folder / "machine_sweep.png", dpi=120)

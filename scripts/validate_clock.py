@@ -1,5 +1,6 @@
 """Validate the measured clock against the wall clock: same prompts, same link and host, each
-policy run on both clocks back to back (interleaved), median TPOT per policy and their ratio.
+policy run on both clocks back to back (interleaved, which goes first alternating by prompt), median
+TPOT per policy and their ratio.
 
     python scripts/validate_clock.py --profile qwen2moe-pcie4 --num-prompts 3 --new-tokens 32
 
@@ -36,8 +37,12 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--window", type=int, default=8, help="K of the drafting policies")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="Python's GIL switch interval, s (default: the interpreter's, 0.005)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     prompts = load_prompts(args.model, None, args.num_prompts)
     policies = [p for p in args.policies.split(",") if p]
     draft = load_draft(args.model + "-awq", mode="dequant-cache")
@@ -52,7 +57,8 @@ def main() -> int:
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         for policy in policies:
-            for clock, timing in clocks.items():
+            order = list(clocks.items()) if i % 2 == 0 else list(clocks.items())[::-1]  # no first-run bias
+            for clock, timing in order:
                 target = load_target(config, timing, profile, policy)
                 window = window_of(config, policy)
                 try:

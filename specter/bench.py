@@ -33,7 +33,7 @@ FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock
 BASELINE = "demand-lru"
 ACTORS = "specter@actors"
 ACTORS_POLICY = "specter"  # the full policy, host compute included, through the three actors
-RIVALS = ("specter-paper", "specmoeoff", "demand-host")
+RIVALS = ("specter-paper", "specmoeoff", "demand-host", "specter-paper+host", "specmoeoff+host")
 
 
 @dataclass

@@ -188,7 +188,8 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
     if cuda and clock == "wall" and profile is None and link is None:
         return Timing("wall", LinkConfig(kind="cuda"))
     timing = resolve_timing(args.model, clock, profile, link, rho)
-    print(timing.describe(), file=sys.stderr)
+    if timing.profile is not None or clock != "wall":  # a plain wall-clock run says nothing extra
+        print(timing.describe(), file=sys.stderr)
     return timing
 
 

@@ -161,16 +161,18 @@ class Link:
     def _run(self) -> None:
         while (transfer := self._next()) is not None:
             t0 = time.perf_counter()
+            busy = None
             try:
-                self._move(transfer)
+                busy = self._move(transfer)
             except BaseException as exc:  # reported to the waiter, never kills the thread
                 transfer.error = exc
-            self.busy_s += time.perf_counter() - t0
+            self.busy_s += busy if busy is not None else time.perf_counter() - t0
             self.bytes_moved += transfer.nbytes
             self.transfers += 1
             transfer.done.set()
 
-    def _move(self, transfer: Transfer) -> None:
+    def _move(self, transfer: Transfer) -> float | None:
+        """Move one blob; returns the link's busy seconds for it (None: the time the call took)."""
         raise NotImplementedError
 
 
@@ -192,18 +194,34 @@ class SimulatedLink(Link):
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
         self.timed = True  # False: copies complete at memcpy speed (untimed phases of a benchmark)
+        self._due = 0.0  # when the last timed transfer was due to land
         super().__init__()
 
     def estimate_s(self, nbytes: int) -> float:
         """Exactly the simulated time (0 while untimed)."""
         return self.latency + nbytes / self.bandwidth if self.timed else 0.0
 
-    def _move(self, transfer: Transfer) -> None:
-        t0 = time.perf_counter()
-        transfer.dst.copy_(transfer.src)
+    def _move(self, transfer: Transfer) -> float | None:
         if not self.timed:
-            return
-        deadline = t0 + self.latency + transfer.nbytes / self.bandwidth
+            transfer.dst.copy_(transfer.src)
+            self._due = time.perf_counter()
+            return None
+        begin, deadline = self._schedule(transfer)
+        transfer.dst.copy_(transfer.src)
+        self._hold(deadline)
+        return deadline - begin
+
+    def _schedule(self, transfer: Transfer) -> tuple[float, float]:
+        """When ``transfer`` starts and lands. A copy engine starts a transfer when it is submitted
+        or when the one before it is due, not when this thread happens to wake up: the thread's own
+        latency is not the link's."""
+        begin = max(transfer.submitted, self._due)
+        transfer.started_at = begin
+        self._due = begin + self.latency + transfer.nbytes / self.bandwidth
+        return begin, self._due
+
+    @staticmethod
+    def _hold(deadline: float) -> None:
         remaining = deadline - time.perf_counter() - SPIN_S
         if remaining > 0:
             time.sleep(remaining)

@@ -58,18 +58,21 @@ class SlotWriterLink(SimulatedLink):
 
     def _move(self, transfer: Transfer) -> None:
         t0 = time.perf_counter()
-        # due before the slot turns odd: a reader that sees the copy started also sees when it lands
         untimed = transfer in self.untimed or not self.timed
-        self.counters.moving(t0 if untimed else t0 + self.latency + transfer.nbytes / self.bandwidth)
+        begin, due = (t0, t0) if untimed else self._schedule(transfer)
+        # due before the slot turns odd: a reader that sees the copy started also sees when it lands
+        self.counters.moving(due)
         while not self.slots.begin_write(transfer.slot):  # a reader pins it (not done by the verifier yet)
             time.sleep(PINNED_RETRY_S)
         published = None
         try:
-            if transfer in self.untimed:
-                transfer.dst.copy_(transfer.src)
+            transfer.dst.copy_(transfer.src)
+            if untimed:
+                self._due = max(self._due, time.perf_counter())  # the next timed copy starts after it
             else:
-                super()._move(transfer)
-                self.counters.add(transfer.nbytes, time.perf_counter() - t0)
+                self._hold(due)
+            if transfer not in self.untimed:  # the initial fill is not the link's work
+                self.counters.add(transfer.nbytes, time.perf_counter() - begin)
             published = transfer.key
         finally:
             self.slots.publish(transfer.slot, published)

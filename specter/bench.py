@@ -135,13 +135,17 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
                                "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
                                "profiles": {}}
     first = PROFILES[config.profiles[0]]
-    for policy in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
-        if policy in config.policies and policy not in config.windows:
-            config.windows[policy], scan, recall = profile_window(config, draft, first, policy,
-                                                                  per_profile[first.name])
+    for base in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
+        # The base policy's K serves its `+option` variants; scan the base if it runs, else the
+        # first variant that does (a `+host` rival alone is scanned too, not left at its default).
+        variants = [p for p in config.policies if p.split("+")[0] == base]
+        if variants and base not in config.windows:
+            policy = base if base in variants else variants[0]
+            config.windows[base], scan, recall = profile_window(config, draft, first, policy,
+                                                                per_profile[first.name])
             results.setdefault("window_scan", {})[policy] = scan
             results.setdefault("window_recall", {})[policy] = recall
-            log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[policy], scan)
+            log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[base], scan)
     results["windows"] = dict(config.windows)
     for name in config.profiles:
         profile, timing = PROFILES[name], per_profile[name]

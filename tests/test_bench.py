@@ -78,6 +78,16 @@ def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
     assert {f.name for f in files} >= {"tpot.png", "speedup.png", "time_split.png", "recall_vs_k.png"}
 
 
+def test_a_host_variant_alone_gets_its_k_from_a_scan_not_its_default(tiny_dir):
+    folder = tiny_dir("qwen2_moe")
+    config = bench.BenchConfig(str(folder), str(folder), [[3, 17, 25, 9]], ["qwen2moe-pcie4"],
+                               policies=["demand-lru", "specter-paper+host"], new_tokens=4, k_candidates=(1, 3))
+    results = bench.run(config, progress=False)
+    scan = results["window_scan"]["specter-paper+host"]
+    assert set(scan) == {1, 3} and results["windows"]["specter-paper"] == min(scan, key=scan.get)
+    assert results["profiles"]["qwen2moe-pcie4"]["summary"]["specter-paper+host"]["window"] in (1, 3)
+
+
 def test_bench_actors_column_runs_specter_through_the_actors(tiny_dir):
     folder = tiny_dir("mixtral")
     config = bench.BenchConfig(str(folder), str(folder), [[3, 17, 25, 9]], ["qwen2moe-pcie4"],

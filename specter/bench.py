@@ -78,11 +78,6 @@ def bytes_per_token(model: str) -> int:
     return len(loaded.moe_layers) * loaded.top_k * loaded.shape.nbytes
 
 
-def link_for(profile: Profile, step_s: float, bytes_per_token: int) -> LinkConfig:
-    """The simulated link that gives this machine's model the profile's offload pressure."""
-    return LinkConfig(kind="sim", bandwidth=profile.sim_bandwidth(step_s, bytes_per_token), latency=0.0)
-
-
 def budget_fraction(config: BenchConfig, profile: Profile) -> float:
     """The device's expert slots under ``profile``, as a fraction: the run's if given, else the profile's."""
     return profile.budget if config.budget is None else config.budget

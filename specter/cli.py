@@ -80,15 +80,20 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _seconds(text: str) -> float:
-    """A positive number of seconds (argparse type)."""
+def _positive_number(text: str, what: str) -> float:
+    """``text`` as a positive, finite float; the error names ``what`` was expected."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite {what}, got {text!r}")
     return value
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse type)."""
+    return _positive_number(text, "number of seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,13 +148,8 @@ def _profile_name(text: str) -> str:
 
 
 def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
-    return value
+    """A positive, finite number (argparse type)."""
+    return _positive_number(text, "number")
 
 
 def _add_timing(command: argparse.ArgumentParser) -> None:

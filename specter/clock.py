@@ -125,9 +125,6 @@ class VirtualClock(WallClock):
         return f"virtual ({self.costs.describe()})" if self.costs is not None else "measured (virtual link and host)"
 
 
-Clock = WallClock  # the interface: WallClock's methods; VirtualClock is the other implementation
-
-
 def make_clock(name: str, costs: CostModel | None = None) -> WallClock:
     """``wall`` | ``virtual`` (needs ``costs``) | ``measured``."""
     if name == "wall":

@@ -25,6 +25,7 @@ import torch
 
 from specter import bench
 from specter.assets import DEFAULT_MODEL
+from specter.plan import adapts
 from specter.profiles import GB, PROFILES, TFLOPS, Host
 from specter.prompts import load_prompts
 
@@ -49,7 +50,7 @@ POLICIES = "demand-lru,demand-host,specter-paper+host,specter"
 def _config(args: argparse.Namespace, profiles: list[str], budget: float | None, rho: float | None) -> bench.BenchConfig:
     prompts = load_prompts(args.model, None, args.num_prompts)
     policies = [p for p in args.policies.split(",") if p]
-    windows = {p: args.window for p in policies if bench.drafts(p)}
+    windows = {p: args.window for p in policies if bench.drafts(p) and not adapts(p)}  # adaptive: its own cap
     config = bench.BenchConfig(args.model, args.model + "-awq", prompts, profiles, policies, windows, budget,
                                new_tokens=args.new_tokens)
     config.rho = rho
@@ -170,7 +171,7 @@ def main() -> int:
     parser.add_argument("--policies", default=POLICIES)
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--window", type=int, default=8, help="K of the drafting policies (no scan)")
+    parser.add_argument("--window", type=int, default=8, help="K of the drafting policies at a fixed K (no scan); specter chooses its own")
     parser.add_argument("--rhos", default="1,3,10,30,100")
     parser.add_argument("--rho", type=float, default=None, help="budget sweep: at this rho (default: profile's)")
     parser.add_argument("--budget", type=float, default=None, help="rho sweep: at this budget (default: profile's)")

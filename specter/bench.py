@@ -23,7 +23,7 @@ from specter.costs import Timing, resolve_timing
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.loader import build_dense
-from specter.plan import POLICIES, drafts, policy_class
+from specter.plan import POLICIES, adapts, drafts, policy_class
 from specter.profiles import PROFILES, Profile
 from specter.target import OffloadedTarget
 
@@ -56,6 +56,7 @@ class BenchConfig:
     rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
     draft_mode: str | None = None  # the draft's expert mode; None: auto on the wall clock, else fixed
     scan_prompts: list[list[int]] = field(default_factory=list)  # the K scan's (None: the first two)
+    scanned: dict[str, int] = field(default_factory=dict)  # base policy → K its scan found (filled by run)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -110,12 +111,21 @@ def timings(config: BenchConfig) -> tuple[dict[str, Timing], float | None, int |
     return out, step_s, per_token
 
 
-def window_of(config: BenchConfig, policy: str) -> int:
-    """K for ``policy``: given or profiled for it (or for its base policy), else its default."""
+def _scan_base(policy: str) -> str:
+    """Whose K scan serves ``policy``: its base policy's; the oracle runs specter's schedule, so specter's."""
     base = policy.split("+")[0]
-    if base == "oracle":  # the bound runs specter's schedule, so at specter's K
-        base = "specter"
-    return config.windows.get(policy, config.windows.get(base, policy_class(policy).default_window))
+    return "specter" if base == "oracle" else base
+
+
+def window_of(config: BenchConfig, policy: str) -> int:
+    """K for ``policy``: given for it or its base policy, else profiled, else its default. For a
+    policy that chooses K per round (``specter``) this is the cap of its choice: never scanned."""
+    if policy in config.windows:
+        return config.windows[policy]
+    if adapts(policy):
+        return config.windows.get(policy.split("+")[0], policy_class(policy).default_window)
+    base = _scan_base(policy)
+    return config.windows.get(base, config.scanned.get(base, policy_class(policy).default_window))
 
 
 def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
@@ -131,17 +141,20 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
                                "profiles": {}}
     first = PROFILES[config.profiles[0]]
     for base in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
-        # The base policy's K serves its `+option` variants; scan the base if it runs, else the
-        # first variant that does (a `+host` rival alone is scanned too, not left at its default).
-        variants = [p for p in config.policies if p.split("+")[0] == base]
+        # The base policy's K serves its `+option` variants (and specter's the oracle's); scan the
+        # base if it runs at a fixed K, else the first such variant (a `+host` rival alone is
+        # scanned too, not left at its default). A policy choosing K per round needs no scan.
+        variants = [p for p in config.policies if _scan_base(p) == base and not adapts(p)]
         if variants and base not in config.windows:
             policy = base if base in variants else variants[0]
-            config.windows[base], scan, recall = profile_window(config, draft, first, policy,
+            if policy.startswith("oracle"):
+                policy = "specter+fixed"
+            config.scanned[base], scan, recall = profile_window(config, draft, first, policy,
                                                                 per_profile[first.name])
             results.setdefault("window_scan", {})[policy] = scan
             results.setdefault("window_recall", {})[policy] = recall
-            log.info("%s: K = %d (TPOT by K: %s)", policy, config.windows[base], scan)
-    results["windows"] = dict(config.windows)
+            log.info("%s: K = %d (TPOT by K: %s)", policy, config.scanned[base], scan)
+    results["windows"] = {p: window_of(config, p) for p in config.policies}
     for name in config.profiles:
         profile, timing = PROFILES[name], per_profile[name]
         budget = budget_fraction(config, profile)
@@ -249,6 +262,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
             "host_s_per_token": sum(r.get("host_s", 0.0) for r in items) / tokens,
             "host_wait_s_per_token": sum(r.get("host_wait_s", 0.0) for r in items) / tokens,
             "window": items[0].get("window", 0),
+            "mean_window": statistics.mean(r.get("mean_window", r.get("window", 0)) for r in items),
         }
     return out
 
@@ -262,10 +276,10 @@ def table(results: dict[str, Any]) -> str:
         draft = f", draft/target {block['draft_ratio']:.2f}" if "draft_ratio" in block else ""
         lines.append(f"\nprofile {name} ({results.get('clock', 'wall')} clock, rho {block['rho']:.1f}{host}{draft}"
                      f"{budget}, link {block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
-        lines.append(f"{'policy':<18}{'K':>3}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
+        lines.append(f"{'policy':<18}{'K':>3}{'K avg':>6}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
                      f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}")
         for policy, s in block["summary"].items():
-            lines.append(f"{policy:<18}{s['window']:>3}{s['tpot_s'] * 1e3:>10.2f}{s['speedup']:>8.2f}x"
+            lines.append(f"{policy:<18}{s['window']:>3}{s.get('mean_window', s['window']):>6.1f}{s['tpot_s'] * 1e3:>10.2f}{s['speedup']:>8.2f}x"
                          f"{s['hit_rate']:>7.2f}{s['misses_per_token']:>10.2f}{s.get('host_per_token', 0.0):>9.2f}"
                          f"{s['mb_per_token']:>8.2f}{s['link_busy']:>7.0%}{s['recall']:>8.2f}{s['accepted']:>8.2f}")
     return "\n".join(lines)

@@ -34,6 +34,8 @@ class _Tally:
     hit: int = 0
     predicted: int = 0
     true: int = 0
+    windows: list[int] = field(default_factory=list)  # every round's K (0: a plain decode step)
+    last: tuple[float, float] = (0.0, 0.0)  # the latest round's drafting and verify seconds
 
 
 class Engine:
@@ -100,15 +102,22 @@ class Engine:
             if timed is not None:
                 link.timed = timed  # type: ignore[attr-defined]
         seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
+        if self.proposer is not None:  # the draft's pass over the prompt is prefill too (time to first token)
+            self.proposer.prefill(prompt_ids, sampling)
         commits = [self.clock.now()]
         self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
-        if self.proposer is not None:
-            self.proposer.prefill(prompt_ids, sampling)
         round_id = 0
+        chooser = self.policy.window_chooser() if self.proposer is not None else None
+        if chooser is not None:
+            chooser.begin_request()
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
-            new = self._round(round_id, seq, tcache, min(self.window, remaining - 1), sampling, gen, tally)
+            limit = min(self.window, remaining - 1)
+            k = chooser.choose(limit) if chooser is not None else limit
+            new = self._round(round_id, seq, tcache, k, sampling, gen, tally)
+            if chooser is not None:
+                chooser.record(k, tally.last[0], tally.last[1], len(new) - 1)
             seq += _until_eos(new[:remaining], eos_token_id)
             commits += [self.clock.now()] * len(new[:remaining])
             self.committed = len(seq) - len(prompt_ids)
@@ -171,8 +180,10 @@ class Engine:
             n, nxt = accept_sampled(probabilities(logits, sampling), torch.stack(qs), drafts, gen)
         else:
             n, nxt = 0, choose(logits[-1], sampling, gen)
-        tally.draft_s += t1 - t0
-        tally.verify_s += self.clock.now() - t1
+        tally.last = (t1 - t0, self.clock.now() - t1)
+        tally.draft_s += tally.last[0]
+        tally.verify_s += tally.last[1]
+        tally.windows.append(k)
         crop_cache(tcache, len(seq) + n)  # the cache held seq[:-1]; keep seq[-1] and the accepted drafts
         if self.proposer is not None:
             self.proposer.rollback(len(seq) + n)
@@ -228,6 +239,8 @@ class Engine:
                 "drafted": tally.drafted,
                 "accepted_hist": hist,
                 "mean_accepted": sum(tally.accepted) / len(tally.accepted) if tally.accepted else 0.0,
+                "mean_window": sum(tally.windows) / len(tally.windows) if tally.windows else 0.0,
+                "plain_rounds": tally.windows.count(0),
                 "recall": tally.hit / tally.true if tally.true else 0.0,
                 "precision": tally.hit / tally.predicted if tally.predicted else 0.0,
                 "draft_s": tally.draft_s,

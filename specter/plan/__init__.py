@@ -2,8 +2,10 @@
 
 A name may carry options after ``+``: ``host`` / ``nohost`` turn host compute of late experts on
 or off, ``fetch`` also moves a host-computed expert into a slot for later (implies ``host``),
-``nofetch`` does not; ``nolast`` skips the extra draft forward that routes the K-th token. E.g. ``specter+nohost`` is ``specter`` as it was before host compute,
-``specter-paper+host`` the released algorithm with it.
+``nofetch`` does not; ``nolast`` skips the extra draft forward that routes the K-th token
+(``last`` runs it); ``fixed`` drafts the full window every round, ``adapt`` chooses each round's K
+(``specter/plan/window.py``). E.g. ``specter+nohost`` is ``specter`` as it was before host
+compute, ``specter-paper+host`` the released algorithm with it, ``specter+fixed`` ours at one K.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ POLICIES: dict[str, type[Policy]] = {
 DRAFT_POLICIES = {SpecMoEOff.name, SpecterPaper.name, Specter.name, Oracle.name}
 OPTIONS = {"host": {"host_compute": True}, "nohost": {"host_compute": False, "fetch_after_host": False},
            "fetch": {"host_compute": True, "fetch_after_host": True}, "nofetch": {"fetch_after_host": False},
-           "nolast": {"route_last_draft": False}}
+           "nolast": {"route_last_draft": False}, "last": {"route_last_draft": True},
+           "fixed": {"adaptive_window": False}, "adapt": {"adaptive_window": True}}
 
 
 def policy_class(name: str) -> type[Policy]:
@@ -39,6 +42,11 @@ def policy_class(name: str) -> type[Policy]:
 def drafts(name: str) -> bool:
     """Whether the policy ``name`` (options allowed) runs a draft."""
     return name.split("+")[0] in DRAFT_POLICIES
+
+
+def adapts(name: str) -> bool:
+    """Whether the policy ``name`` (options allowed) chooses its K per round (its window is a cap)."""
+    return make_policy(name).adaptive_window
 
 
 def make_policy(name: str) -> Policy:

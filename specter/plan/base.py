@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specter.experts.slots import Key
+from specter.plan.window import WindowChooser
 from specter.protocol import PlanDelta
 
 if TYPE_CHECKING:
@@ -24,10 +25,21 @@ class Policy:
     route_last_draft = False  # ask the engine for one more draft forward to route the K-th token
     host_compute = False  # a late expert is computed on the host when that finishes before it lands
     fetch_after_host = False  # an expert computed on the host is still moved into a slot, for later
+    adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
 
     def __init__(self) -> None:
         self.offload: OffloadedExperts | None = None
         self.window = 0
+        self._chooser: WindowChooser | None = None
+
+    def window_chooser(self) -> WindowChooser | None:
+        """The per-round K chooser when the policy adapts its window (kept across requests:
+        what was measured stays learnt), else None: every round drafts the full window."""
+        if not self.adaptive_window:
+            return None
+        if self._chooser is None:
+            self._chooser = WindowChooser(route_last=self.route_last_draft)
+        return self._chooser
 
     def bind(self, offload: OffloadedExperts) -> None:
         """Called once when the policy is attached to a target's experts."""

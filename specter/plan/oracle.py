@@ -15,6 +15,8 @@ class Oracle(Specter):
 
     name = "oracle"
     route_last_draft = False  # it knows the routing; an extra draft step would only cost time
+    adaptive_window = False  # its trace is replayed round by round, so every round has the same K
+    default_window = 4
 
     def __init__(self) -> None:
         super().__init__()

@@ -9,6 +9,9 @@ missing expert; the slot given up is the one whose next predicted use is furthes
 * Demand misses go ahead of every prefetch (the link's priority queue). When a layer's true
   routing is known, queued prefetches for that layer's unneeded experts are cancelled, and the
   schedule is refilled so the link is never idle while a predicted expert is missing.
+* Window: K is chosen per round from what the run measures (``specter/plan/window.py``), K = 0
+  (a plain decode step with host compute) included; the engine's window is only its cap.
+  ``specter+fixed`` drafts the full window every round.
 * Host compute: an expert the link would bring later than the host could compute it is computed
   on the host (its queued prefetch cancelled), so the link spends itself on experts that arrive
   in time (``docs/benchmark.md`` measures fetching it for later as well: ``specter+fetch``).
@@ -32,9 +35,10 @@ class Specter(Policy):
     """Need-ordered streaming prefetch with furthest-next-use eviction."""
 
     name = "specter"
-    default_window = 4
+    default_window = 16  # the cap of the adaptive K
     route_last_draft = True
     host_compute = True
+    adaptive_window = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,145 @@
+"""Adaptive speculation: each round's window K, chosen from what the run has measured so far.
+
+For a candidate K the expected time per committed token is
+
+    (f(K) · d + v(K)) / E(K),        E(K) = 1 + α + α² + … + α^K
+
+where ``α`` is the per-position acceptance rate (one estimate serves every K), ``f(K)`` the draft
+forwards a round of K makes (K, plus one when the policy routes the last draft token), ``d`` one
+draft forward's time and ``v(K)`` the verify pass's time at K — its compute and whatever it waited
+for the link or the host, so the link's backlog and the prefetch the drafting bought are in it.
+K = 0 is plain decoding: no draft forward, one committed token, ``v(0)`` one decode step
+(with nothing prefetched, so it is measured on its own, never interpolated with drafting K).
+
+Each estimate is a moving average of the rounds measured (the mean of the first four, then an
+exponential one). A K not measured yet gets ``v`` from its measured neighbours (linear between two,
+the nearest one's beyond them). The chooser plays the K of least estimated time per token after
+crediting each K with an optimism bonus that shrinks with how often it was measured lately
+(counts decay per round): an untried or long-unplayed K whose estimate comes close gets played,
+so a cold first measurement (or a stale one) does not exclude a K for good. The very first round
+is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round was measured.
+
+Only settled rounds are measured: a round right after one of the other kind (a drafting round after
+a plain one, or the reverse), or the first round of a request, is not. The first drafting round
+after plain steps verifies with nothing prefetched and feeds the draft every token it skipped; the
+first plain step after drafting inherits the drafting's prefetches: neither is what that K costs
+when it is kept, which is what the choice is about (``begin_request``; tests/test_window.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+START = 4  # the first drafting round's K (the first round of all is a plain step, K = 0)
+EMA = 0.25  # weight of the newest round in v(K) and d, once four were measured
+DECAY = 0.95  # per round, on the acceptance counts (about the last 20 rounds weigh in)
+ALPHA_PRIOR = (1.0, 2.0)  # accepted, tried: a weak prior of α = 0.5
+ALPHA_MAX = 0.99
+BONUS = 0.1  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
+FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
+
+
+@dataclass
+class WindowChooser:
+    """Chooses K per round (``choose``) and learns from each finished round (``record``).
+
+    Args:
+        route_last: the policy runs one more draft forward per round to route the K-th token.
+    """
+
+    route_last: bool = False
+    draft_s: float | None = None  # one draft forward
+    verify_s: dict[int, float] = field(default_factory=dict)  # K → verify pass time
+    accepted: float = ALPHA_PRIOR[0]
+    tried: float = ALPHA_PRIOR[1]
+    rounds: int = 0
+    measured: dict[int, float] = field(default_factory=dict)  # K → how often measured (decaying)
+    samples: dict[int, int] = field(default_factory=dict)  # K → how often measured (ever)
+    forward_samples: int = 0
+    drafted_last: bool | None = None  # whether the latest round drafted; None: a request starts
+    chosen: list[int] = field(default_factory=list)  # every round's K, in order (for the stats)
+
+    @property
+    def alpha(self) -> float:
+        """The per-position acceptance rate."""
+        return min(ALPHA_MAX, self.accepted / self.tried)
+
+    def forwards(self, k: int) -> int:
+        """Draft forwards a round of K runs."""
+        return k + (1 if self.route_last and k else 0)
+
+    def expected_tokens(self, k: int) -> float:
+        """Committed tokens a round of K yields on average: 1 + α + … + α^K."""
+        a = self.alpha
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def estimate(self, k: int) -> float | None:
+        """Expected seconds per committed token at K; None before any verify pass was measured."""
+        verify = self._verify_estimate(k)
+        if verify is None:
+            return None
+        draft = self.forwards(k) * (self.draft_s or 0.0)
+        return (draft + verify) / self.expected_tokens(k)
+
+    def choose(self, limit: int) -> int:
+        """K for the next round, at most ``limit`` (the engine's cap and the tokens left)."""
+        options = [k for k in CANDIDATES if k <= limit]
+        if not self.verify_s:  # first a plain step: v(0) anchors every K's estimate from below
+            k = 0
+        elif len(self.verify_s) == 1 and 0 in self.verify_s:
+            k = max(c for c in options if c <= START)
+        else:
+            k = min(options, key=lambda c: (self.score(c), c))
+        self.chosen.append(k)
+        return k
+
+    def score(self, k: int) -> float:
+        """The estimate at K less its optimism bonus (what ``choose`` minimises)."""
+        estimate = self.estimate(k)
+        assert estimate is not None, "score() after a first round was recorded"
+        return estimate * (1.0 - BONUS / math.sqrt(self.measured.get(k, 0.0) + 1.0))
+
+    def record(self, k: int, draft_s: float, verify_s: float, accepted: int) -> None:
+        """What a round of K measured: its drafting time, its verify pass time, tokens accepted."""
+        self.rounds += 1
+        drafted_last, self.drafted_last = self.drafted_last, k > 0
+        settled = drafted_last == (k > 0) or not self.verify_s
+        if not settled:
+            return
+        for c in self.measured:
+            self.measured[c] *= FORGET
+        self.measured[k] = self.measured.get(k, 0.0) + 1.0
+        self.samples[k] = self.samples.get(k, 0) + 1
+        self.verify_s[k] = _average(self.verify_s.get(k), verify_s, self.samples[k])
+        if k == 0:
+            return
+        self.forward_samples += 1
+        self.draft_s = _average(self.draft_s, draft_s / self.forwards(k), self.forward_samples)
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
+
+    def begin_request(self) -> None:
+        """A request starts: its first round follows a prefill, so it is not measured."""
+        self.drafted_last = None
+
+    def _verify_estimate(self, k: int) -> float | None:
+        if k in self.verify_s:
+            return self.verify_s[k]
+        below = [c for c in self.verify_s if 0 < c < k]  # a plain step is no neighbour of a drafting one
+        above = [c for c in self.verify_s if c > k]
+        if not below and not above:
+            return None
+        if not below:
+            return self.verify_s[min(above)]
+        if not above:
+            return self.verify_s[max(below)]
+        lo, hi = max(below), min(above)
+        t = (k - lo) / (hi - lo)
+        return (1 - t) * self.verify_s[lo] + t * self.verify_s[hi]
+
+def _average(old: float | None, new: float, n: int) -> float:
+    """The mean of the first four samples, then an exponential moving average."""
+    weight = max(EMA, 1.0 / n)
+    return new if old is None else (1 - weight) * old + weight * new

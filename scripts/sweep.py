@@ -3,12 +3,15 @@
     python scripts/sweep.py rho --rhos 1,3,10,30,100 --budget 0.25
     python scripts/sweep.py budget --budgets 0.125,0.25,0.5,0.75
     python scripts/sweep.py machine --links pcie3,pcie4,pcie5,c2c --hosts ddr4,ddr5,lpddr5x --budgets 0.125,0.4
+    python scripts/sweep.py grid --rhos 1,3,10,30,100 --budgets 0.125,0.25,0.5,0.75
 
 Every point is one ``specter bench`` run (same prompts, policies interleaved) on the virtual clock,
 so a sweep takes minutes and its figures do not depend on this machine's load. ``machine`` keeps
 the profile's GPU and model and swaps its link and host CPU (docs/profiles.md derives each one);
 it prints the speedup of each policy over ``demand-lru`` and over ``demand-host`` and plots speedup
-against link bandwidth. Results go to ``--out`` as JSON (and PNG for ``machine``).
+against link bandwidth. ``grid`` runs every ρ × budget and prints, per cell, ``specter``'s TPOT over
+the best of ``demand-lru`` and ``demand-host`` (the adaptive window's promise: never above 1.02)
+and over its own bound. Results go to ``--out`` as JSON (and PNG for ``machine`` and ``grid``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,68 @@ def sweep_budget(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def sweep_grid(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rhos = [float(x) for x in args.rhos.split(",")]
+    budgets = [float(x) for x in args.budgets.split(",")]
+    for budget in budgets:
+        for rho in rhos:
+            results = bench.run(_config(args, [args.profile], budget, rho), progress=False)
+            summary = results["profiles"][args.profile]["summary"]
+            point = {"rho": rho, "budget": budget,
+                     "tpot_ms": {p: s["tpot_s"] * 1e3 for p, s in summary.items()},
+                     "bound_ms": {p: s["bound_tpot_s"] * 1e3 for p, s in summary.items() if s.get("bound_tpot_s")},
+                     "mean_window": {p: s["mean_window"] for p, s in summary.items()}}
+            out[f"{rho:g}@{budget:g}"] = point
+            t = point["tpot_ms"]
+            print(f"  rho {rho:g} budget {budget:.1%}: " + ", ".join(f"{p} {v:.2f} ms" for p, v in t.items()), flush=True)
+    print(f"\ngrid ({args.profile}, virtual clock): specter TPOT / best of demand-lru, demand-host"
+          " | specter TPOT / its bound | specter's mean K")
+    print(f"{'budget':<8}" + "".join(f"{f'rho {r:g}':>26}" for r in rhos))
+    worst = 0.0
+    for budget in budgets:
+        cells = []
+        for rho in rhos:
+            p = out[f"{rho:g}@{budget:g}"]
+            ratio = p["tpot_ms"]["specter"] / min(p["tpot_ms"]["demand-lru"], p["tpot_ms"]["demand-host"])
+            worst = max(worst, ratio)
+            cells.append(f"{ratio:.2f}x | {p['tpot_ms']['specter'] / p['bound_ms']['specter']:.2f}x | "
+                         f"{p['mean_window']['specter']:4.1f}")
+        print(f"{budget:<8.1%}" + "".join(f"{c:>26}" for c in cells))
+    print(f"worst specter / best baseline: {worst:.3f}x (promise: <= 1.02x)")
+    _plot_grid(out, rhos, budgets, Path(args.out))
+    return out
+
+
+def _plot_grid(out: dict[str, Any], rhos: list[float], budgets: list[float], folder: Path) -> None:
+    """Specter's TPOT over the best non-speculative baseline's, and over its bound, against ρ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, budget in enumerate(budgets):
+        points = [out[f"{rho:g}@{budget:g}"] for rho in rhos]
+        best = [min(p["tpot_ms"]["demand-lru"], p["tpot_ms"]["demand-host"]) for p in points]
+        axes[0].plot(rhos, [p["tpot_ms"]["specter"] / b for p, b in zip(points, best, strict=True)], marker="o",
+                     color=f"C{i}", label=f"budget {budget:.1%}")
+        axes[1].plot(rhos, [p["tpot_ms"]["specter"] / p["bound_ms"]["specter"] for p in points], marker="o",
+                     color=f"C{i}", label=f"budget {budget:.1%}")
+    axes[0].axhline(1.02, color="grey", ls="--", lw=0.8, label="1.02")
+    axes[0].set_ylabel("specter TPOT / best of demand-lru, demand-host")
+    axes[1].axhline(1.15, color="grey", ls="--", lw=0.8, label="1.15")
+    axes[1].set_ylabel("specter TPOT / its bound")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("rho (a fully-missed token's transfers / all-resident step)")
+        ax.legend(fontsize=7)
+    fig.suptitle("adaptive window, virtual clock")
+    fig.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    fig.savefig(folder / "grid.png", dpi=120)
+
+
 def sweep_machine(args: argparse.Namespace) -> dict[str, Any]:
     base = PROFILES[args.profile]
     out: dict[str, Any] = {}
@@ -165,7 +230,7 @@ def _plot_machine(out: dict[str, Any], folder: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=("rho", "budget", "machine"))
+    parser.add_argument("kind", choices=("rho", "budget", "machine", "grid"))
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--profile", default="qwen2moe-pcie4", choices=list(PROFILES))
     parser.add_argument("--policies", default=POLICIES)
@@ -182,7 +247,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
     t0 = time.perf_counter()
-    out = {"rho": sweep_rho, "budget": sweep_budget, "machine": sweep_machine}[args.kind](args)
+    if args.kind == "grid" and args.policies == POLICIES:
+        args.policies = "demand-lru,demand-host,specter"
+    out = {"rho": sweep_rho, "budget": sweep_budget, "machine": sweep_machine, "grid": sweep_grid}[args.kind](args)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{args.kind}.json").write_text(json.dumps({str(k): v for k, v in out.items()}, indent=1))

@@ -83,6 +83,7 @@ class VirtualClock(WallClock):
         self.name = "virtual" if costs is not None else "measured"
         self._t = 0.0
         self._mark = time.perf_counter()
+        self.draft_charged = 0.0  # seconds charged to draft forwards so far (the bound's device part)
 
     def now(self) -> float:
         if self.costs is None:  # the compute since the last reading took what it took
@@ -119,7 +120,9 @@ class VirtualClock(WallClock):
 
     def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
         if self.costs is not None:
-            self._t += self.costs.draft_s(routing, positions, context)
+            cost = self.costs.draft_s(routing, positions, context)
+            self._t += cost
+            self.draft_charged += cost
 
     def describe(self) -> str:
         return f"virtual ({self.costs.describe()})" if self.costs is not None else "measured (virtual link and host)"

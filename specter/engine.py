@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from specter.bound import Trace, lower_bound
 from specter.config import SamplingConfig
+from specter.costs import CostModel
 from specter.draft.loading import check_draft_matches
 from specter.proposer import Draft, LocalProposer, Proposer, Routing
 from specter.protocol import PlanDelta
@@ -107,6 +109,9 @@ class Engine:
         commits = [self.clock.now()]
         self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
+        costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
+        trace = self.target.offload.start_trace() if costs is not None else None
+        draft_mark = getattr(self.clock, "draft_charged", 0.0)
         round_id = 0
         chooser = self.policy.window_chooser() if self.proposer is not None else None
         if chooser is not None:
@@ -124,10 +129,21 @@ class Engine:
             round_id += 1
         tokens = seq[len(prompt_ids):]
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)
+        if trace is not None and costs is not None:
+            self.target.offload.trace = None
+            trace.draft_s = self.clock.draft_charged - draft_mark  # type: ignore[attr-defined]
+            stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
         host = (a - b for a, b in zip(_host_state(self.target), before[2], strict=True))
         stats.extra["host_experts"], stats.extra["host_s"], stats.extra["host_wait_s"] = host
         return tokens, stats
+
+    def _bound(self, trace: Trace, costs: CostModel) -> float:
+        """The decode's lower bound in seconds (``specter/bound.py``)."""
+        offload = self.target.offload
+        host = offload.host.expert_s if offload.host is not None else None
+        transfer = self.target.link.estimate_s(offload.store.shape.nbytes)
+        return lower_bound(trace, costs.expert_s, transfer, host).decode_s
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Reject a request the model cannot serve, naming the field, before any work."""

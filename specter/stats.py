@@ -54,6 +54,7 @@ class RequestStats:
     link_busy_s: float = 0.0
     link_busy_fraction: float = 0.0
     transfers: int = 0
+    bound_tpot_s: float | None = None  # no schedule of these rounds beats it (virtual clock only; specter/bound.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specter.bound import LayerUse, Trace
 from specter.clock import WallClock
 from specter.config import HostConfig
 from specter.experts.host import HostCompute
@@ -47,6 +48,7 @@ class OffloadedExperts:
         self.counters = OffloadCounters()
         self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
         self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
+        self.trace: Trace | None = None  # when set, each layer's routing is recorded (the bound)
         self.on_cuda = pool.storage.is_cuda
         self.host: HostCompute | None = default_host(link, store.shape, self.on_cuda, self.clock)
         policy.bind(self)
@@ -125,6 +127,8 @@ class OffloadedExperts:
         self.last_routing[layer] = top_k_index
         self.counters.layers += 1
         self.clock.charge_dense(hidden.shape[0], self.context)
+        if self.trace is not None:
+            self._record(layer, hidden.shape[0], top_k_index, needed)
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -158,6 +162,22 @@ class OffloadedExperts:
         for e in needed:
             final.index_add_(0, *outputs[e])
         return final
+
+    def start_trace(self) -> Trace:
+        """Record from now on what the bound needs (``specter/bound.py``): the residency now, the
+        slot groups, each layer's routing."""
+        pool = self.pool
+        self.trace = Trace(capacity={g: len(s) for g, s in pool.group_slots.items()},
+                           group_of={layer: pool.group_of(layer) for layer in self.store.layers},
+                           initial=set(pool.where))
+        return self.trace
+
+    def _record(self, layer: int, positions: int, top_k_index: torch.Tensor, needed: list[int]) -> None:
+        assert self.trace is not None
+        costs = getattr(self.clock, "costs", None)
+        dense = costs.dense_s(positions, self.context) if costs is not None else 0.0
+        counts = top_k_index.flatten().bincount(minlength=max(needed) + 1).tolist()
+        self.trace.layers.append(LayerUse(layer, dense, {e: counts[e] for e in needed}))
 
     def _classify(self, keys: list[Key]) -> tuple[list[Key], deque[Key], list[Key]]:
         """Split needed experts into ready (pinned now), in flight (pinned), and missing."""

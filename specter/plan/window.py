@@ -14,16 +14,19 @@ K = 0 is plain decoding: no draft forward, one committed token, ``v(0)`` one dec
 Each estimate is a moving average of the rounds measured (the mean of the first four, then an
 exponential one). A K not measured yet gets ``v`` from its measured neighbours (linear between two,
 the nearest one's beyond them). The chooser plays the K of least estimated time per token after
-crediting each K with an optimism bonus that shrinks with how often it was measured lately
-(counts decay per round): an untried or long-unplayed K whose estimate comes close gets played,
-so a cold first measurement (or a stale one) does not exclude a K for good. The very first round
+crediting each drafting K with an optimism bonus that shrinks with how often it was measured
+lately (counts decay per round): an untried or long-unplayed K whose estimate comes close gets
+played, so a cold first measurement (or a stale one) does not exclude a K for good. K = 0 gets
+none: what a plain step costs hardly changes while the run drafts, what drafting costs does. The very first round
 is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round was measured.
 
-Only settled rounds are measured: a round right after one of the other kind (a drafting round after
-a plain one, or the reverse), or the first round of a request, is not. The first drafting round
-after plain steps verifies with nothing prefetched and feeds the draft every token it skipped; the
-first plain step after drafting inherits the drafting's prefetches: neither is what that K costs
-when it is kept, which is what the choice is about (``begin_request``; tests/test_window.py).
+Only settled rounds measure costs: a stint of plain steps measures from its fifth round, a stint
+of drafting rounds from its second, and the first round of a request measures nothing (acceptance
+counts from every drafting round: that is the draft's and the target's, whatever the link did).
+The first drafting round after plain steps verifies with nothing prefetched and feeds the draft
+every token it skipped; the first plain steps after drafting live off the drafting's prefetches:
+neither is what that K costs when it is kept, which is what the choice is about. Once the chooser
+switches between plain and drafting it stays until the new stint has measured a settled round.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 START = 4  # the first drafting round's K (the first round of all is a plain step, K = 0)
 EMA = 0.25  # weight of the newest round in v(K) and d, once four were measured
 DECAY = 0.95  # per round, on the acceptance counts (about the last 20 rounds weigh in)
-ALPHA_PRIOR = (1.0, 2.0)  # accepted, tried: a weak prior of α = 0.5
+ALPHA_PRIOR = (3.0, 4.0)  # accepted, tried: a prior of α = 0.75 worth four positions
 ALPHA_MAX = 0.99
 BONUS = 0.1  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
+UNTRIED_BONUS = 0.2  # optimism for a K never measured (its v is interpolated)
+SETTLE = {False: 4, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
 
 
@@ -58,7 +63,9 @@ class WindowChooser:
     measured: dict[int, float] = field(default_factory=dict)  # K → how often measured (decaying)
     samples: dict[int, int] = field(default_factory=dict)  # K → how often measured (ever)
     forward_samples: int = 0
-    drafted_last: bool | None = None  # whether the latest round drafted; None: a request starts
+    drafting: bool | None = None  # whether the running stint drafts; None: a request starts
+    stint: int = 0  # rounds of that kind in a row so far
+    stint_measured: bool = True  # the running stint has measured a settled round
     chosen: list[int] = field(default_factory=list)  # every round's K, in order (for the stats)
 
     @property
@@ -86,10 +93,14 @@ class WindowChooser:
     def choose(self, limit: int) -> int:
         """K for the next round, at most ``limit`` (the engine's cap and the tokens left)."""
         options = [k for k in CANDIDATES if k <= limit]
+        if 0 < limit < CANDIDATES[-1] and limit not in options:  # the request's last tokens
+            options.append(limit)
         if not self.verify_s:  # first a plain step: v(0) anchors every K's estimate from below
             k = 0
         elif len(self.verify_s) == 1 and 0 in self.verify_s:
             k = max(c for c in options if c <= START)
+        elif not self.stint_measured and self.chosen:  # see a switch through until it measures
+            k = min(self.chosen[-1], limit)
         else:
             k = min(options, key=lambda c: (self.score(c), c))
         self.chosen.append(k)
@@ -99,30 +110,37 @@ class WindowChooser:
         """The estimate at K less its optimism bonus (what ``choose`` minimises)."""
         estimate = self.estimate(k)
         assert estimate is not None, "score() after a first round was recorded"
+        if k == 0:  # a plain step's cost hardly drifts while drafting: no optimism needed
+            return estimate
+        if k not in self.samples:  # never measured: only an interpolation, so more optimism
+            return estimate * (1.0 - UNTRIED_BONUS)
         return estimate * (1.0 - BONUS / math.sqrt(self.measured.get(k, 0.0) + 1.0))
 
     def record(self, k: int, draft_s: float, verify_s: float, accepted: int) -> None:
         """What a round of K measured: its drafting time, its verify pass time, tokens accepted."""
         self.rounds += 1
-        drafted_last, self.drafted_last = self.drafted_last, k > 0
-        settled = drafted_last == (k > 0) or not self.verify_s
+        if k > 0:  # acceptance is the draft's and the target's: any drafting round measures it
+            self.accepted = DECAY * self.accepted + accepted
+            self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
+        if self.drafting != (k > 0):
+            self.drafting, self.stint, self.stint_measured = k > 0, 0, False
+        settled = self.stint >= SETTLE[k > 0] or not self.verify_s
+        self.stint += 1
         if not settled:
-            return
+            return  # its costs are not what this K costs when kept
+        self.stint_measured = True
         for c in self.measured:
             self.measured[c] *= FORGET
         self.measured[k] = self.measured.get(k, 0.0) + 1.0
         self.samples[k] = self.samples.get(k, 0) + 1
         self.verify_s[k] = _average(self.verify_s.get(k), verify_s, self.samples[k])
-        if k == 0:
-            return
-        self.forward_samples += 1
-        self.draft_s = _average(self.draft_s, draft_s / self.forwards(k), self.forward_samples)
-        self.accepted = DECAY * self.accepted + accepted
-        self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
+        if k > 0:
+            self.forward_samples += 1
+            self.draft_s = _average(self.draft_s, draft_s / self.forwards(k), self.forward_samples)
 
     def begin_request(self) -> None:
-        """A request starts: its first round follows a prefill, so it is not measured."""
-        self.drafted_last = None
+        """A request starts: its first round follows a prefill, so it measures nothing."""
+        self.drafting, self.stint, self.stint_measured = None, 0, True
 
     def _verify_estimate(self, k: int) -> float | None:
         if k in self.verify_s:

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft folder: an AWQ draft from `specter quantize` or any full-precision checkpoint")
     gen.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     gen.add_argument("--window", type=int, default=None,
-                     help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies)")
+                     help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies); "
+                          "for specter the cap of the K it chooses per round (0 included; default 32)")
     gen.add_argument("--budget", type=_fraction, default=None,
                      help="device expert slots as a fraction of all routed experts, 0 < F <= 1 "
                           "(default 0.5 on a CPU; from --device-memory or the GPU's free memory on a GPU)")
@@ -206,7 +207,8 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     batch.add_argument("--draft", default=None, help="draft folder (AWQ draft or full-precision checkpoint)")
     batch.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
-    batch.add_argument("--window", type=int, default=None, help="draft tokens per round K, 1..64")
+    batch.add_argument("--window", type=int, default=None,
+                       help="draft tokens per round K, 1..64 (specter: the cap of its per-round K)")
     batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
     batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
     batch.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
@@ -252,7 +254,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "docs/profiles.md)")
     bench.add_argument("--per-layer", action="store_true")
     bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
-                       help="override a policy's K, e.g. --window specter=6 (repeatable)")
+                       help="override a policy's K, e.g. --window specter-paper=6 (repeatable; "
+                            "for specter the cap of its per-round K)")
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",

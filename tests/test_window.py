@@ -85,5 +85,5 @@ def test_specter_adapts_its_window_and_the_oracle_and_fixed_variants_do_not():
     # one chooser per policy, kept across requests (what was measured stays learnt)
     policy = make_policy("specter")
     assert policy.window_chooser() is policy.window_chooser()
-    assert make_policy("specter+nolast").window_chooser().forwards(4) == 4  # type: ignore[union-attr]
-    assert make_policy("specter").window_chooser().forwards(4) == 5  # type: ignore[union-attr]
+    assert make_policy("specter").window_chooser().forwards(4) == 4  # type: ignore[union-attr]
+    assert make_policy("specter+last").window_chooser().forwards(4) == 5  # type: ignore[union-attr]

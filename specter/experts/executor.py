@@ -25,7 +25,7 @@ from specter.bound import LayerUse, Trace
 from specter.clock import WallClock
 from specter.config import HostConfig
 from specter.experts.host import HostCompute
-from specter.experts.link import DEMAND, PREFETCH, Link, SimulatedLink, Transfer, VirtualLink
+from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer, VirtualLink
 from specter.experts.slots import ChooseVictim, Key, SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
 from specter.plan.base import Policy
@@ -251,16 +251,17 @@ class OffloadedExperts:
         return _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
 
     def _finish_host(self, on_host: list[Key]) -> None:
-        """The layer ends when the host is done too; then, if the policy wants them, the
-        host-computed experts are fetched for later (behind every demand transfer)."""
+        """The layer ends when the host is done too; then, if the policy wants them (always, or
+        when the link has nothing else to do), the host-computed experts are fetched for later
+        (behind every demand transfer)."""
         assert self.host is not None
         if getattr(self.link, "timed", True):
             self.host.finish()
-        if not self.policy.fetch_after_host:
+        now = self.clock.now()
+        idle = self.policy.fetch_when_idle and self.link.free_at(now) <= now
+        if not (self.policy.fetch_after_host or idle):
             return
-        for key in on_host:
-            if key not in self.pool.where:
-                self.fetch(key, PREFETCH, set())
+        self.policy.fetch_later([key for key in on_host if key not in self.pool.where])
 
     def _land_one(self, layer: int, waiting: Key) -> None:
         """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""

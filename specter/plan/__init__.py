@@ -22,10 +22,12 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (DemandLRU, DemandHost, GatePrefetch, SpecMoEOff, SpecterPaper, Specter, Oracle)
 }
 DRAFT_POLICIES = {SpecMoEOff.name, SpecterPaper.name, Specter.name, Oracle.name}
-OPTIONS = {"host": {"host_compute": True}, "nohost": {"host_compute": False, "fetch_after_host": False},
-           "fetch": {"host_compute": True, "fetch_after_host": True}, "nofetch": {"fetch_after_host": False},
+OPTIONS = {"host": {"host_compute": True}, "nohost": {"host_compute": False, "fetch_after_host": False, "fetch_when_idle": False},
+           "fetch": {"host_compute": True, "fetch_after_host": True}, "nofetch": {"fetch_after_host": False, "fetch_when_idle": False},
+           "idlefetch": {"fetch_when_idle": True},
            "nolast": {"route_last_draft": False}, "last": {"route_last_draft": True},
-           "fixed": {"adaptive_window": False}, "adapt": {"adaptive_window": True}}
+           "fixed": {"adaptive_window": False}, "adapt": {"adaptive_window": True},
+           "value": {"value_order": True}, "novalue": {"value_order": False}}
 
 
 def policy_class(name: str) -> type[Policy]:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specter.experts.link import PREFETCH
 from specter.experts.slots import Key
 from specter.plan.window import WindowChooser
 from specter.protocol import PlanDelta
@@ -25,6 +26,8 @@ class Policy:
     route_last_draft = False  # ask the engine for one more draft forward to route the K-th token
     host_compute = False  # a late expert is computed on the host when that finishes before it lands
     fetch_after_host = False  # an expert computed on the host is still moved into a slot, for later
+    fetch_when_idle = False  # ... but only when the link is idle as the layer ends
+    value_order = False  # prefetch only the predicted experts worth their slot and link time (specter)
     adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
 
     def __init__(self) -> None:
@@ -65,6 +68,12 @@ class Policy:
 
     def before_layer(self, layer: int, hidden: torch.Tensor, needed: list[int]) -> None:
         """Called at each MoE layer once its true routing is known, before any expert runs."""
+
+    def fetch_later(self, keys: list[Key]) -> None:
+        """Move experts the host just computed into slots, for later uses (behind every demand)."""
+        assert self.offload is not None
+        for key in keys:
+            self.offload.fetch(key, PREFETCH, set())
 
     def choose_victim(self, candidates: list[Key]) -> Key:
         """Which of ``candidates`` (evictable experts) gives up its slot."""

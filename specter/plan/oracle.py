@@ -40,7 +40,8 @@ class Oracle(Specter):
         self.schedule()
 
     def on_plan(self, delta: PlanDelta) -> None:
-        """Draft plans are ignored: the oracle already knows."""
+        """Draft plans are ignored (the oracle already knows); the step's time still counts."""
+        self.draft_step_done()
 
     def end_round(self, round_id: int, accepted: int, true_routing: dict[int, set[int]]) -> None:
         super().end_round(round_id, accepted, true_routing)

@@ -1,23 +1,35 @@
-"""``specter``: our policy. Plans stream per draft step; the link always works on the most urgent
-missing expert; the slot given up is the one whose next predicted use is furthest away.
+"""``specter``: our policy. Plans stream per draft step; each step it decides which predicted
+experts are worth a slot and link time, moves those in need order, and gives up the slot whose
+next predicted use is furthest away.
 
-* Need order: the verify pass runs MoE layers in order, so a predicted expert of an earlier layer
-  is needed sooner; within a layer, more draft votes (then a higher router weight) first.
+* Value (``select``): a predicted expert is worth its chance of being used — the draft's measured
+  agreement at its vote count — times the time it saves when resident (its host computation, or
+  a demand transfer without a host). By value, experts are kept while their slot group has room
+  and the link can still land every kept one before the verify pass reaches its layer (its
+  deadline, from the measured draft-step and verify-layer times). ``+novalue`` prefetches every
+  predicted expert instead (the policy before this).
+* Need order: the kept experts move in the verify pass's layer order (then votes, then router
+  weight); the not-kept are not moved and are evicted before the kept.
 * Eviction: an expert the round does not predict goes first (least recently used first), then
-  one whose layer the running verify pass has already passed; a predicted expert is given up only
-  for a more urgent one. Pinned experts (the running pass's) are never candidates.
+  one whose layer the running verify pass has already passed, then a predicted one not kept;
+  a kept one is given up only for a more urgent one. Pinned experts are never candidates.
 * Demand misses go ahead of every prefetch (the link's priority queue). When a layer's true
   routing is known, queued prefetches for that layer's unneeded experts are cancelled, and the
-  schedule is refilled so the link is never idle while a predicted expert is missing.
+  schedule is redone.
 * Window: K is chosen per round from what the run measures (``specter/plan/window.py``), K = 0
-  (a plain decode step with host compute) included; the engine's window is only its cap.
-  ``specter+fixed`` drafts the full window every round.
+  (a plain decode step with host compute) included; the engine's window is only its cap (32).
+  ``specter+fixed`` drafts the full window every round; ``specter+last`` adds the draft forward
+  that routes the K-th token's position.
 * Host compute: an expert the link would bring later than the host could compute it is computed
-  on the host (its queued prefetch cancelled), so the link spends itself on experts that arrive
-  in time (``docs/benchmark.md`` measures fetching it for later as well: ``specter+fetch``).
+  on the host (its queued prefetch cancelled), and not cached: ``+fetch`` fetches it for later
+  always, ``+idlefetch`` when the link is idle as the layer ends (in place of an expert needed
+  later still). ``docs/benchmark.md`` measures both: caching pays at large budgets and costs at
+  small ones, so neither is the default yet.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -28,17 +40,23 @@ from specter.plan.schedule import cancel_queued, prefetch
 from specter.protocol import PlanDelta
 
 _PASSED = 1e6
+_NOT_KEPT = 1e3
 _UNPREDICTED = 1e9
+_VOTES_CAP = 8  # agreement is measured per vote count up to this many
+_DECAY = 0.98  # per predicted expert, on the agreement counts
+_EMA = 0.25
 
 
 class Specter(Policy):
     """Need-ordered streaming prefetch with furthest-next-use eviction."""
 
     name = "specter"
-    default_window = 16  # the cap of the adaptive K
-    route_last_draft = True
+    default_window = 32  # the cap of the adaptive K
+    route_last_draft = False  # ``specter+last``: one more draft forward routes the K-th token too
     host_compute = True
+    fetch_when_idle = False  # ``+idlefetch``: see the module notes
     adaptive_window = True
+    value_order = True  # prefetch only what is worth its link time (``select``)
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,6 +65,14 @@ class Specter(Policy):
         self.position: dict[int, int] = {}
         self._rank: dict[Key, int] = {}
         self._issued: set[Key] = set()
+        self._kept: set[Key] = set()  # the predicted experts ``select`` holds slots for
+        self._value: dict[Key, float] = {}  # each predicted expert's value (seconds saved, expected)
+        self._agreement: dict[int, tuple[float, float]] = {}  # votes → (used, seen), decayed
+        self._step_s = 1e-3  # a draft step, EMA
+        self._layer_s = 1e-3  # one MoE layer of the verify pass, EMA
+        self._round_k = 0  # the running round's K
+        self._drafted = 0  # its draft steps done so far
+        self._marks: tuple[float, float] | None = None  # (last plan delta, last layer start)
 
     def bind(self, offload) -> None:  # type: ignore[no-untyped-def]
         super().bind(offload)
@@ -54,21 +80,34 @@ class Specter(Policy):
 
     def begin_round(self, round_id: int) -> None:
         assert self.offload is not None
+        chooser = self.window_chooser()
+        self._round_k = chooser.chosen[-1] if chooser is not None and chooser.chosen else self.window
+        self._drafted = 0
+        self._marks = (self.offload.clock.now(), self.offload.clock.now())
         stale = [k for k in self._issued if self.offload.pool.is_loading(k)]
         cancel_queued(self.offload, stale)
         self._issued.clear()
+        self._kept.clear()
         self.plan.reset(round_id)
         self.current = -1
 
     def on_plan(self, delta: PlanDelta) -> None:
         if self.plan.add(delta):
+            self.draft_step_done()
             self.schedule()
+
+    def draft_step_done(self) -> None:
+        """A draft step of the running round finished (its time feeds the deadlines)."""
+        self._drafted += 1
+        self._tick(draft=True)
 
     def begin_verify(self, round_id: int, positions: int) -> None:
         self.current = -1
+        self._marks = None
 
     def before_layer(self, layer: int, hidden: torch.Tensor, needed: list[int]) -> None:
         assert self.offload is not None
+        self._tick(draft=False)
         self.current = self.position[layer]
         wanted = set(needed)
         wasted = [k for k in self._issued if k[0] == layer and k[1] not in wanted]
@@ -77,14 +116,112 @@ class Specter(Policy):
 
     def end_round(self, round_id: int, accepted: int, true_routing: dict[int, set[int]]) -> None:
         self.current = -1
+        for key, votes in self.plan.counts.items():  # how often n votes meant the expert was used
+            n = min(votes, _VOTES_CAP)
+            used, seen = self._agreement.get(n, (1.0, 2.0))
+            hit = key[1] in true_routing.get(key[0], ())
+            self._agreement[n] = (_DECAY * used + hit, _DECAY * seen + 1.0)
+
+    def _tick(self, draft: bool) -> None:
+        """Fold the time since the previous plan delta (or layer start) into its EMA."""
+        assert self.offload is not None
+        now = self.offload.clock.now()
+        if self._marks is not None:
+            gap = now - self._marks[0]
+            if draft:
+                self._step_s = _EMA * gap + (1 - _EMA) * self._step_s
+            else:
+                self._layer_s = _EMA * gap + (1 - _EMA) * self._layer_s
+        self._marks = (now, now)
 
     def schedule(self) -> None:
-        """Issue prefetches for missing predicted experts, most urgent first."""
+        """Issue prefetches for the predicted experts worth holding, most urgent first.
+
+        Worth holding (``select``): the most value per slot and link-second that the slots can
+        hold and the link can land before each one's layer runs; queued prefetches of the others
+        are cancelled, and the others are evicted before the kept ones.
+        """
         assert self.offload is not None
         self._rank = {k: i for i, k in enumerate(self.offload.pool.recency)}
         ahead = [k for k in self.plan.counts if self.position[k[0]] > self.current]
+        if self.value_order:
+            self._kept = set(self.select(ahead))
+            dropped = [k for k in ahead if k not in self._kept and k in self._issued]
+            cancel_queued(self.offload, dropped)
+            ahead = [k for k in ahead if k in self._kept]
         ahead.sort(key=self.next_use)
         self._issued.update(prefetch(self.offload, ahead, set(), self.next_use))
+
+    def select(self, ahead: list[Key]) -> list[Key]:
+        """Of the predicted experts ``ahead``, the ones to hold in slots for the verify pass.
+
+        Each has a value — the chance it is used (the draft's measured agreement at its vote
+        count) times the time it saves when resident (its host computation, or a demand
+        transfer where there is no host; whichever is less) — and a deadline, when the verify
+        pass reaches its layer, plus its host computation's time (landing later than that saves
+        nothing: the host would be done first; without a host there is no such limit, as a
+        demand fetch lands later than a prefetch anyway). By value, an expert is
+        kept while its slot group has room (the slots not pinned by the running layer), and, if it
+        still has to move, only if every kept one still lands by its deadline with the link moving
+        them in deadline order after what it is already doing (unit jobs with deadlines: greedy by value is the most valuable feasible
+        set). What is not kept is not moved, and is evicted before what is.
+        """
+        assert self.offload is not None
+        offload, pool = self.offload, self.offload.pool
+        now = offload.clock.now()
+        transfer = offload.link.estimate_s(offload.store.shape.nbytes)
+        host = offload.host if self.host_compute else None
+        room = {g: sum(1 for slot in slots if not pool.pins[slot]) for g, slots in pool.group_slots.items()}
+        scored = []
+        own_queued = 0
+        for key in ahead:
+            loading = pool.loading.get(key)
+            votes = self.plan.counts[key]
+            on_host = math.inf if host is None else host.expert_s(votes)
+            saving = min(transfer, on_host)
+            moving = key not in pool.where or (loading is not None and not loading.started)
+            own_queued += loading is not None and not loading.started
+            # it still saves time if it lands before the host could have computed it there (a
+            # demand fetch would land later than a prefetch in any case)
+            scored.append((self.chance(votes) * saving, self.deadline(key, now) + on_host, key, moving))
+        start = offload.link.free_at(now) + (offload.link.queued() - own_queued) * transfer
+        kept: list[Key] = []
+        on_link: list[float] = []  # deadlines of the kept ones that still have to move, sorted
+        for _, deadline, key, moving in sorted(scored, key=lambda c: (-c[0], c[1])):
+            group = pool.group_of(key[0])
+            if room[group] <= 0:
+                continue
+            if moving:
+                trial = sorted([*on_link, deadline])
+                if any(start + (i + 1) * transfer > d for i, d in enumerate(trial)):
+                    continue
+                on_link = trial
+            room[group] -= 1
+            kept.append(key)
+        self._value = {key: value for value, _, key, _ in scored}
+        return kept
+
+    def chance(self, votes: int) -> float:
+        """How often a predicted expert with ``votes`` draft votes was used by the verify pass."""
+        n = min(votes, _VOTES_CAP)
+        used, seen = self._agreement.get(n, (1.0, 2.0))  # prior: even odds
+        return used / seen
+
+    def deadline(self, key: Key, now: float) -> float:
+        """When the verify pass is expected to reach ``key``'s layer."""
+        layers_before = self.position[key[0]] - max(self.current, 0)
+        if self.current >= 0:
+            return now + layers_before * self._layer_s
+        remaining = max(0, self._round_k - self._drafted) + (1 if self.route_last_draft else 0)
+        return now + remaining * self._step_s + (self.position[key[0]]) * self._layer_s
+
+    def fetch_later(self, keys: list[Key]) -> None:
+        """Host-computed experts go into slots only in place of ones needed later still."""
+        assert self.offload is not None
+        self._rank = {k: i for i, k in enumerate(self.offload.pool.recency)}
+        for key in keys:  # just used: the most recent of all
+            self._rank[key] = len(self._rank)
+        self._issued.update(prefetch(self.offload, keys, set(), self.next_use))
 
     def next_use(self, key: Key) -> float:
         """Smaller is sooner. Fractional parts order experts within a layer."""
@@ -93,6 +230,8 @@ class Specter(Policy):
             return _UNPREDICTED - self._rank.get(key, 0)
         if self.position[key[0]] <= self.current:
             return _PASSED - count
+        if self.value_order and key not in self._kept:  # predicted, not worth its slot
+            return _NOT_KEPT - self._value.get(key, 0.0)
         return self.position[key[0]] + 1.0 / (1 + count + self.plan.weight.get(key, 0.0))
 
     def choose_victim(self, candidates: list[Key]) -> Key:

@@ -40,8 +40,8 @@ EMA = 0.25  # weight of the newest round in v(K) and d, once four were measured
 DECAY = 0.95  # per round, on the acceptance counts (about the last 20 rounds weigh in)
 ALPHA_PRIOR = (3.0, 4.0)  # accepted, tried: a prior of α = 0.75 worth four positions
 ALPHA_MAX = 0.99
-BONUS = 0.1  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
-UNTRIED_BONUS = 0.2  # optimism for a K never measured (its v is interpolated)
+BONUS = 0.05  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
+UNTRIED_BONUS = 0.1  # optimism for a K never measured (its v is interpolated)
 SETTLE = {False: 4, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
 

@@ -4,7 +4,8 @@ A name may carry options after ``+``: ``host`` / ``nohost`` turn host compute of
 or off, ``fetch`` also moves a host-computed expert into a slot for later (implies ``host``),
 ``nofetch`` does not; ``nolast`` skips the extra draft forward that routes the K-th token
 (``last`` runs it); ``fixed`` drafts the full window every round, ``adapt`` chooses each round's K
-(``specter/plan/window.py``). E.g. ``specter+nohost`` is ``specter`` as it was before host
+(``specter/plan/window.py``); ``idlefetch`` fetches a host-computed expert for later when the link
+is idle; ``novalue`` / ``value`` turn specter's value-ordered prefetch off / on. E.g. ``specter+nohost`` is ``specter`` as it was before host
 compute, ``specter-paper+host`` the released algorithm with it, ``specter+fixed`` ours at one K.
 """
 

@@ -31,7 +31,8 @@ def test_speculative_greedy_on_the_trained_model_equals_transformers(name):
     prompts = load_prompts(model, None, 3)
     ref = AutoModelForCausalLM.from_pretrained(str(model), experts_implementation="eager", dtype=torch.float32)
     draft = load_draft(ASSETS / f"{name}-awq")
-    target = OffloadedTarget.load(model, SlotConfig(fraction=0.25), LinkConfig(bandwidth=5e9, latency=0), "specter")
+    target = OffloadedTarget.load(model, SlotConfig(fraction=0.25), LinkConfig(bandwidth=5e9, latency=0),
+                                  "specter+fixed")  # every round drafts: recall and acceptance are measured
     try:
         for prompt in prompts:
             want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]

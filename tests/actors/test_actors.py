@@ -16,6 +16,7 @@ from actors.launcher import EngineHandle, launch
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
+from specter.plan import adapts
 from specter.target import OffloadedTarget
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
@@ -54,7 +55,7 @@ def _reference(folder: Path) -> list[int]:
 @pytest.mark.parametrize(
     ("policy", "window"),
     [("demand-lru", 0), ("gate-prefetch", 0), ("demand-host", 0), ("specmoeoff", 3), ("specter-paper", 4),
-     ("specter", 4), ("oracle", 4)],
+     ("specter", 4), ("specter+fixed", 4), ("oracle", 4)],
 )
 def test_greedy_through_actors_is_token_identical(engine, models, policy, window) -> None:
     folder, draft = models
@@ -65,7 +66,7 @@ def test_greedy_through_actors_is_token_identical(engine, models, policy, window
     assert stats["new_tokens"] == NEW and stats["policy"] == policy
     assert stats["misses"] > 0 and stats["transfers"] > 0
     assert stats["bytes_moved"] == stats["transfers"] * 3 * 32 * 48 * 4  # fp32 experts, H=32, I=48
-    if window:
+    if window and not adapts(policy):  # specter chooses K per round on the wall clock: maybe 0
         assert stats["rounds"] > 0 and stats["drafted"] > 0 and 0 < stats["recall"] <= 1
     counters = engine.link_counters()
     assert counters["transfers"] >= stats["transfers"] and counters["rejected"] == 0
@@ -92,11 +93,12 @@ def test_host_compute_through_actors_reads_the_transfer_store_read_only(local_ra
 
 
 def test_sampling_through_actors_matches_in_process(engine, models) -> None:
-    """Same seed, same draft generator on both sides: the same sampled tokens."""
+    """Same seed, same draft generator, same K every round on both sides: the same sampled tokens
+    (a K chosen from wall-clock timings, as plain `specter` does, would change which are drawn)."""
     folder, draft = models
     sampling = SamplingConfig(temperature=1.0, top_k=8, seed=3)
-    got = engine.generate(PROMPT, NEW, policy="specter", window=3, temperature=1.0, top_k=8, seed=3)
-    assert got["tokens"] == _in_process(folder, draft, "specter", 3, sampling)
+    got = engine.generate(PROMPT, NEW, policy="specter+fixed", window=3, temperature=1.0, top_k=8, seed=3)
+    assert got["tokens"] == _in_process(folder, draft, "specter+fixed", 3, sampling)
 
 
 def test_a_sealed_replica_has_no_names_to_leak_and_shutdown_leaves_no_actor(engine) -> None:
@@ -132,7 +134,7 @@ def test_cli_generate_through_actors_equals_in_process(local_ray, models, capsys
     from specter.cli import main
 
     folder, draft = models
-    argv = ["generate", "--model", str(folder), "--draft", str(draft), "--policy", "specter", "--window", "4",
+    argv = ["generate", "--model", str(folder), "--draft", str(draft), "--policy", "specter+fixed", "--window", "4",
             "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--budget", "0.25",
             "--link", "sim:2,5", "--json"]
     assert main(argv) == 0

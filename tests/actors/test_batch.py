@@ -65,7 +65,7 @@ def _items(n: int = len(TEXTS)) -> list[BatchItem]:
 
 def _options(models, replicas: int = 1, **kw) -> BatchOptions:
     folder, draft = models
-    return BatchOptions(str(folder), str(draft), SlotConfig(fraction=0.25), LINK, policy="specter", window=3,
+    return BatchOptions(str(folder), str(draft), SlotConfig(fraction=0.25), LINK, policy="specter+fixed", window=3,
                         replicas=replicas, **kw)
 
 
@@ -83,7 +83,7 @@ def test_two_replicas_every_prompt_once_identical_then_resume(local_ray, models,
     for row in rows:
         assert row["tokens"] == reference[row["id"]], row["id"]
         assert row["text"] == decode(row["tokens"])
-        assert row["stats"]["new_tokens"] == NEW and row["stats"]["policy"] == "specter"
+        assert row["stats"]["new_tokens"] == NEW and row["stats"]["policy"] == "specter+fixed"
     assert report.finished == len(TEXTS) and report.failed == 0 and report.restarts == 0
     # A re-run resumes: nothing to do, nothing written twice, no replica launched.
     launched = []

@@ -119,7 +119,7 @@ def test_a_sealed_replica_has_no_names_to_leak_and_shutdown_leaves_no_actor(engi
 
 def test_client_generates_token_ids_prompts(local_ray, models) -> None:
     folder, draft = models
-    with Client(folder, draft, BUDGET, LINK, policy="specter", address=None) as client:
+    with Client(folder, draft, BUDGET, LINK, policy="specter+fixed", address=None) as client:
         out = client.generate([PROMPT, PROMPT[:3]], max_new_tokens=NEW, window=4)
         names = list(client.handle.names)
     assert out[0]["tokens"] == _reference(folder) and len(out[1]["tokens"]) == NEW

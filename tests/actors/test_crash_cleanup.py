@@ -31,7 +31,7 @@ from specter.config import LinkConfig, SlotConfig
 
 start_local(2, log_to_driver=False)
 handle = launch(sys.argv[1], sys.argv[2], SlotConfig(fraction=0.25), LinkConfig(kind="sim", bandwidth=2e7,
-                latency=5e-5), policy="specter", timeout_s=600)
+                latency=5e-5), policy="specter+fixed", timeout_s=600)
 pids = {role: ray.get(getattr(handle, role).pid.remote()) for role in ("transfer", "verifier", "draft")}
 print(json.dumps({"session": ray.get_runtime_context().worker.node.session_name, "pids": pids}), flush=True)
 
@@ -44,7 +44,7 @@ def watch():
         time.sleep(0.005)
 
 threading.Thread(target=watch, daemon=True).start()
-handle.generate([5, 99, 17, 42, 8, 63, 21], 200, window=3, policy="specter")
+handle.generate([5, 99, 17, 42, 8, 63, 21], 200, window=3, policy="specter+fixed")  # drafts every round
 print("FINISHED", flush=True)  # the kill landed too late: the test fails on this
 """
 

@@ -66,7 +66,7 @@ def test_every_metric_is_scraped_with_sane_values(metrics_ray, tiny_dir, tmp_pat
     items = [BatchItem(f"p{i}", "abcdefgh"[: 3 + i], i + 1, NEW, 0.0, 0) for i in range(3)]
     items[1].max_new_tokens = 10_000  # refused by the verifier: one request error
     options = BatchOptions(str(folder), str(draft), SlotConfig(fraction=0.25),
-                           LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6), policy="specter", window=3)
+                           LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6), policy="specter+fixed", window=3)
     scraped: dict = {}
 
     def on_result(result: dict) -> None:

@@ -56,8 +56,10 @@ class WallClock:
         """Work that is not the device's (the virtual link's copies); on the wall clock it counts."""
         yield
 
-    def charge_dense(self, positions: int, context: int) -> None:
-        """One MoE layer's dense part (attention, norms, router) over ``positions`` positions."""
+    def charge_dense(self, positions: int, context: int) -> float:
+        """One MoE layer's dense part (attention, norms, router) over ``positions`` positions;
+        returns the seconds charged (none here: real time passes by itself)."""
+        return 0.0
 
     def charge_expert(self, tokens: int) -> None:
         """One routed expert of the target on ``tokens`` tokens, from a device slot."""
@@ -110,9 +112,10 @@ class VirtualClock(WallClock):
     def advance(self, seconds: float) -> None:
         self._t += seconds
 
-    def charge_dense(self, positions: int, context: int) -> None:
-        if self.costs is not None:
-            self._t += self.costs.dense_s(positions, context)
+    def charge_dense(self, positions: int, context: int) -> float:
+        cost = self.costs.dense_s(positions, context) if self.costs is not None else 0.0
+        self._t += cost
+        return cost
 
     def charge_expert(self, tokens: int) -> None:
         if self.costs is not None:

@@ -126,9 +126,9 @@ class OffloadedExperts:
         needed = sorted(set(top_k_index.flatten().tolist()))
         self.last_routing[layer] = top_k_index
         self.counters.layers += 1
-        self.clock.charge_dense(hidden.shape[0], self.context)
+        dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
         if self.trace is not None:
-            self._record(layer, hidden.shape[0], top_k_index, needed)
+            self._record(layer, dense_s, top_k_index, needed)
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -172,12 +172,10 @@ class OffloadedExperts:
                            initial=set(pool.where))
         return self.trace
 
-    def _record(self, layer: int, positions: int, top_k_index: torch.Tensor, needed: list[int]) -> None:
+    def _record(self, layer: int, dense_s: float, top_k_index: torch.Tensor, needed: list[int]) -> None:
         assert self.trace is not None
-        costs = getattr(self.clock, "costs", None)
-        dense = costs.dense_s(positions, self.context) if costs is not None else 0.0
         counts = top_k_index.flatten().bincount(minlength=max(needed) + 1).tolist()
-        self.trace.layers.append(LayerUse(layer, dense, {e: counts[e] for e in needed}))
+        self.trace.layers.append(LayerUse(layer, dense_s, {e: counts[e] for e in needed}))
 
     def _classify(self, keys: list[Key]) -> tuple[list[Key], deque[Key], list[Key]]:
         """Split needed experts into ready (pinned now), in flight (pinned), and missing."""
@@ -257,11 +255,13 @@ class OffloadedExperts:
         assert self.host is not None
         if getattr(self.link, "timed", True):
             self.host.finish()
-        now = self.clock.now()
-        idle = self.policy.fetch_when_idle and self.link.free_at(now) <= now
-        if not (self.policy.fetch_after_host or idle):
+        if not (self.policy.fetch_after_host or (self.policy.fetch_when_idle and self._link_idle())):
             return
         self.policy.fetch_later([key for key in on_host if key not in self.pool.where])
+
+    def _link_idle(self) -> bool:
+        now = self.clock.now()
+        return self.link.free_at(now) <= now
 
     def _land_one(self, layer: int, waiting: Key) -> None:
         """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""

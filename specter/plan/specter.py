@@ -29,6 +29,7 @@ next predicted use is furthest away.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -72,7 +73,7 @@ class Specter(Policy):
         self._layer_s = 1e-3  # one MoE layer of the verify pass, EMA
         self._round_k = 0  # the running round's K
         self._drafted = 0  # its draft steps done so far
-        self._marks: tuple[float, float] | None = None  # (last plan delta, last layer start)
+        self._mark: float | None = None  # when the last draft step (or verify layer) started
 
     def bind(self, offload) -> None:  # type: ignore[no-untyped-def]
         super().bind(offload)
@@ -81,9 +82,9 @@ class Specter(Policy):
     def begin_round(self, round_id: int) -> None:
         assert self.offload is not None
         chooser = self.window_chooser()
-        self._round_k = chooser.chosen[-1] if chooser is not None and chooser.chosen else self.window
+        self._round_k = chooser.last if chooser is not None and chooser.last is not None else self.window
         self._drafted = 0
-        self._marks = (self.offload.clock.now(), self.offload.clock.now())
+        self._mark = self.offload.clock.now()
         stale = [k for k in self._issued if self.offload.pool.is_loading(k)]
         cancel_queued(self.offload, stale)
         self._issued.clear()
@@ -103,7 +104,7 @@ class Specter(Policy):
 
     def begin_verify(self, round_id: int, positions: int) -> None:
         self.current = -1
-        self._marks = None
+        self._mark = None
 
     def before_layer(self, layer: int, hidden: torch.Tensor, needed: list[int]) -> None:
         assert self.offload is not None
@@ -126,13 +127,13 @@ class Specter(Policy):
         """Fold the time since the previous plan delta (or layer start) into its EMA."""
         assert self.offload is not None
         now = self.offload.clock.now()
-        if self._marks is not None:
-            gap = now - self._marks[0]
+        if self._mark is not None:
+            gap = now - self._mark
             if draft:
                 self._step_s = _EMA * gap + (1 - _EMA) * self._step_s
             else:
                 self._layer_s = _EMA * gap + (1 - _EMA) * self._layer_s
-        self._marks = (now, now)
+        self._mark = now
 
     def schedule(self) -> None:
         """Issue prefetches for the predicted experts worth holding, most urgent first.
@@ -191,11 +192,12 @@ class Specter(Policy):
             group = pool.group_of(key[0])
             if room[group] <= 0:
                 continue
-            if moving:
-                trial = sorted([*on_link, deadline])
-                if any(start + (i + 1) * transfer > d for i, d in enumerate(trial)):
+            if moving:  # inserted at i, it lands (i + 1)-th; the ones after it land one later
+                i = bisect.bisect_right(on_link, deadline)
+                if start + (i + 1) * transfer > deadline or any(
+                        start + (j + 2) * transfer > on_link[j] for j in range(i, len(on_link))):
                     continue
-                on_link = trial
+                on_link.insert(i, deadline)
             room[group] -= 1
             kept.append(key)
         self._value = {key: value for value, _, key, _ in scored}

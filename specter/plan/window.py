@@ -59,14 +59,13 @@ class WindowChooser:
     verify_s: dict[int, float] = field(default_factory=dict)  # K → verify pass time
     accepted: float = ALPHA_PRIOR[0]
     tried: float = ALPHA_PRIOR[1]
-    rounds: int = 0
     measured: dict[int, float] = field(default_factory=dict)  # K → how often measured (decaying)
     samples: dict[int, int] = field(default_factory=dict)  # K → how often measured (ever)
     forward_samples: int = 0
     drafting: bool | None = None  # whether the running stint drafts; None: a request starts
     stint: int = 0  # rounds of that kind in a row so far
     stint_measured: bool = True  # the running stint has measured a settled round
-    chosen: list[int] = field(default_factory=list)  # every round's K, in order (for the stats)
+    last: int | None = None  # the K chosen for the latest round
 
     @property
     def alpha(self) -> float:
@@ -99,11 +98,11 @@ class WindowChooser:
             k = 0
         elif len(self.verify_s) == 1 and 0 in self.verify_s:
             k = max(c for c in options if c <= START)
-        elif not self.stint_measured and self.chosen:  # see a switch through until it measures
-            k = min(self.chosen[-1], limit)
+        elif not self.stint_measured and self.last is not None:  # see a switch through until it measures
+            k = min(self.last, limit)
         else:
             k = min(options, key=lambda c: (self.score(c), c))
-        self.chosen.append(k)
+        self.last = k
         return k
 
     def score(self, k: int) -> float:
@@ -118,7 +117,6 @@ class WindowChooser:
 
     def record(self, k: int, draft_s: float, verify_s: float, accepted: int) -> None:
         """What a round of K measured: its drafting time, its verify pass time, tokens accepted."""
-        self.rounds += 1
         if k > 0:  # acceptance is the draft's and the target's: any drafting round measures it
             self.accepted = DECAY * self.accepted + accepted
             self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
@@ -156,6 +154,7 @@ class WindowChooser:
         lo, hi = max(below), min(above)
         t = (k - lo) / (hi - lo)
         return (1 - t) * self.verify_s[lo] + t * self.verify_s[hi]
+
 
 def _average(old: float | None, new: float, n: int) -> float:
     """The mean of the first four samples, then an exponential moving average."""

@@ -16,7 +16,7 @@ from typing import NoReturn
 import torch
 
 from specter.assets import DEFAULT_MODEL
-from specter.config import LinkConfig, SamplingConfig, SlotConfig, parse_bytes
+from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads, parse_bytes
 from specter.draft.cli import add_quantize_command, positive_int, run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
@@ -96,6 +96,13 @@ def _seconds(text: str) -> float:
     return _positive_number(text, "number of seconds")
 
 
+def _add_threads(command: argparse.ArgumentParser, extra: str = "") -> None:
+    command.add_argument("--threads", type=positive_int, default=None,
+                         help="torch compute threads in this process (default: OMP_NUM_THREADS, else one core "
+                              "fewer than the machine has: the link's thread keeps one"
+                              + (f"; {extra}" if extra else "") + "); the actors run one each")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specter", description="Speculative expert offloading for MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -118,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cuda | PROFILE (e.g. mixtral-pcie4: its offload pressure on this machine) | "
                           "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
     _add_timing(gen)
+    _add_threads(gen)
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -263,6 +271,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--step-s", type=float, default=None,
                        help="wall and measured clocks: the CPU's all-resident step time (s) that link and host are "
                             "scaled to (default: measure it; on a busy machine the measurement is slow)")
+    _add_threads(bench, "on the virtual clock 1 (its figures do not depend on threads)")
     bench.add_argument("--clock", choices=("virtual", "wall", "measured"), default="virtual",
                        help="virtual (default): compute charged from each profile's GPU cost model, nothing "
                             "sleeps, the same ratios on any machine; wall: real time (the actors column); "
@@ -319,8 +328,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.step_s > 0:
             parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
         config.step_s = args.step_s
-    if args.clock == "virtual" and "OMP_NUM_THREADS" not in os.environ:
+    if args.clock == "virtual" and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
+    else:
+        torch.set_num_threads(compute_threads(args.threads))
     results = bench.run(config)
     print(bench.table(results))
     print()
@@ -365,6 +376,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --prompt: must not be empty")
     if args.address is not None and args.device_memory is not None:
         parser.error("argument --device-memory: not available with --address yet; use --budget")
+    if args.address is None:
+        torch.set_num_threads(compute_threads(args.threads))
     cuda = torch.cuda.is_available() and args.device != "cpu"
     timing = _timing(args, parser, cuda)
     if args.draft is not None:

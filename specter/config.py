@@ -7,6 +7,7 @@ fails before any work starts.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,24 @@ def parse_bytes(text: str) -> int:
     if not match:
         raise ValueError(f"expected a size like 512MiB or 24GB, got {text!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def compute_threads(requested: int | None = None) -> int:
+    """torch's intra-op threads for a process that decodes: ``requested``, else ``OMP_NUM_THREADS``,
+    else one core fewer than the machine has.
+
+    The link's worker thread (and the host's experts) need a core of their own: measured on this
+    project's 2-core machine (``scripts/draft_cost.py``, ``docs/draft.md``), two intra-op threads
+    next to the link thread made a draft step inside the round 2.6x slower than one thread did.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads: must be a positive integer, got {requested}")
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,31 @@ class DraftExperts:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """transformers' eager experts loop, with the draft's quantized weights."""
-        final = torch.zeros_like(hidden)
-        for expert in sorted(set(top_k_index.flatten().tolist())):
-            top_k_pos, token_idx = torch.where((top_k_index == expert).T)
-            gate, up = self.kernels.gate_up((layer, expert), hidden[token_idx]).chunk(2, dim=-1)
-            out = self.kernels.down((layer, expert), module.act_fn(gate) * up)
-            out = out * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(hidden.dtype))
-        return final
+        """Every token's k experts with the draft's quantized weights, weighted and summed.
+
+        A decode step (one token) runs its k experts on the one row and sums them with one small
+        matmul. Several tokens are sorted by expert once, so each expert runs on a contiguous
+        slice of rows, and one ``index_add_`` scatters every weighted row back to its token —
+        not transformers' per-expert ``where`` and ``index_add_``.
+        """
+        if hidden.shape[0] == 1:
+            outs = [self._expert(module, layer, expert, hidden) for expert in top_k_index[0].tolist()]
+            return (top_k_weights.to(hidden.dtype) @ torch.cat(outs)).to(hidden.dtype)
+        k = top_k_index.shape[1]
+        flat = top_k_index.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = hidden[order // k]
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        outs = [
+            self._expert(module, layer, expert, part)
+            for expert, part in zip(experts.tolist(), rows.split(counts.tolist()), strict=True)
+        ]
+        weighted = torch.cat(outs) * top_k_weights.flatten()[order, None].to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add_(0, order // k, weighted)
+
+    def _expert(self, module: Any, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = self.kernels.gate_up((layer, expert), rows).chunk(2, dim=-1)
+        return self.kernels.down((layer, expert), module.act_fn(gate) * up)
 
 
 class DraftModel:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -32,17 +33,23 @@ def prefetch(
     something more urgent than itself; issuing stops at the first key that cannot be placed.
     """
     issued: list[Key] = []
+    pool = offload.pool
+    if next_use is not None:  # fixed while issuing: each expert's next use is computed once
+        next_use = functools.cache(next_use)
+    victims: dict[int, list[Key]] = {}  # per slot group: the evictable, furthest next use last
     for key in keys:
-        if key in offload.pool.where:
+        if key in pool.where:
             continue
         choose = None
-        if next_use is not None:
-            candidates = offload.pool.evictable(key[0], protect)
-            victim = max(candidates, key=next_use, default=None)
-            empty = any(offload.pool.owner[s] is None for s in offload.pool.group_slots[offload.pool.group_of(key[0])])
-            if not empty and (victim is None or next_use(victim) <= next_use(key)):
+        group = pool.group_of(key[0])
+        if next_use is not None and all(pool.owner[s] is not None for s in pool.group_slots[group]):
+            if group not in victims:  # ties: the first in slot order goes first, as max() would pick
+                ranked = sorted(enumerate(pool.evictable(key[0], protect)), key=lambda c: (next_use(c[1]), -c[0]))
+                victims[group] = [k for _, k in ranked]
+            queue = victims[group]
+            if not queue or next_use(queue[-1]) <= next_use(key):
                 break
-            choose = _fixed(victim)
+            choose = _fixed(queue.pop())
         if offload.fetch(key, PREFETCH, protect, choose) is None:
             break
         issued.append(key)

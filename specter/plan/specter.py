@@ -30,7 +30,9 @@ next predicted use is furthest away.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import operator
 
 import torch
 
@@ -150,8 +152,9 @@ class Specter(Policy):
             dropped = [k for k in ahead if k not in self._kept and k in self._issued]
             cancel_queued(self.offload, dropped)
             ahead = [k for k in ahead if k in self._kept]
-        ahead.sort(key=self.next_use)
-        self._issued.update(prefetch(self.offload, ahead, set(), self.next_use))
+        next_use = functools.cache(self.next_use)  # fixed until the next schedule
+        ahead.sort(key=next_use)
+        self._issued.update(prefetch(self.offload, ahead, set(), next_use))
 
     def select(self, ahead: list[Key]) -> list[Key]:
         """Of the predicted experts ``ahead``, the ones to hold in slots for the verify pass.
@@ -175,17 +178,24 @@ class Specter(Policy):
         room = {g: sum(1 for slot in slots if not pool.pins[slot]) for g, slots in pool.group_slots.items()}
         scored = []
         own_queued = 0
+        by_votes: dict[int, tuple[float, float]] = {}  # votes → (value, host seconds); few distinct counts
+        by_layer: dict[int, float] = {}  # layer → when the verify pass reaches it
         for key in ahead:
             loading = pool.loading.get(key)
             votes = self.plan.counts[key]
-            on_host = math.inf if host is None else host.expert_s(votes)
-            saving = min(transfer, on_host)
+            if votes not in by_votes:
+                on_host = math.inf if host is None else host.expert_s(votes)
+                by_votes[votes] = (self.chance(votes) * min(transfer, on_host), on_host)
+            if key[0] not in by_layer:
+                by_layer[key[0]] = self.deadline(key, now)
+            value, on_host = by_votes[votes]
             moving = key not in pool.where or (loading is not None and not loading.started)
             own_queued += loading is not None and not loading.started
             # it still saves time if it lands before the host could have computed it there (a
             # demand fetch would land later than a prefetch in any case)
-            scored.append((self.chance(votes) * saving, self.deadline(key, now) + on_host, key, moving))
+            scored.append((value, by_layer[key[0]] + on_host, key, moving))
         start = offload.link.free_at(now) + (offload.link.queued() - own_queued) * transfer
+        lands = [start + n * transfer for n in range(len(scored) + 2)]  # the n-th on the link lands then
         kept: list[Key] = []
         on_link: list[float] = []  # deadlines of the kept ones that still have to move, sorted
         for _, deadline, key, moving in sorted(scored, key=lambda c: (-c[0], c[1])):
@@ -194,8 +204,7 @@ class Specter(Policy):
                 continue
             if moving:  # inserted at i, it lands (i + 1)-th; the ones after it land one later
                 i = bisect.bisect_right(on_link, deadline)
-                if start + (i + 1) * transfer > deadline or any(
-                        start + (j + 2) * transfer > on_link[j] for j in range(i, len(on_link))):
+                if lands[i + 1] > deadline or min(map(operator.sub, on_link[i:], lands[i + 2:]), default=0.0) < 0:
                     continue
                 on_link.insert(i, deadline)
             room[group] -= 1

@@ -1,0 +1,145 @@
+"""What one draft step costs on this CPU's wall clock, against the target's all-resident decode step.
+
+    python scripts/draft_cost.py --threads 1,2 --num-prompts 3 --new-tokens 64
+
+Per torch thread count (interleaved by prompt, so load drifts hit every setting alike):
+
+* ``target step`` — the target's all-resident decode step as the bench measures it (TPOT of a
+  request with every expert in a slot and no link);
+* ``target fwd``, ``draft fwd`` — one decode forward of each in isolation (median of one-token
+  steps after the prompt: no round around it);
+* ``in round`` — one draft step inside a real round: a ``specter+fixed`` run at the profile's
+  link (scaled to this CPU's step) and budget, draft seconds of the round divided by its draft
+  forwards — the forward plus what the round does around it (routing capture, the plan delta,
+  the policy's schedule, choosing the token);
+* its parts — the forward, building the plan delta, the policy's ``on_plan`` — and the run's TPOT.
+
+Wall-clock figures: run it on a quiet machine (no test suite, no second benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specter import proposer as proposer_module
+from specter.assets import DEFAULT_MODEL
+from specter.bench import BenchConfig, load_target, resident_step_s
+from specter.config import LinkConfig, SlotConfig
+from specter.costs import resolve_timing
+from specter.draft.loading import load_draft
+from specter.engine import Engine
+from specter.profiles import PROFILES
+from specter.prompts import load_prompts
+from specter.target import OffloadedTarget
+
+
+class Timers:
+    """Seconds spent in wrapped calls, by name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+
+        return timed
+
+
+def isolated_forward_s(model: Any, prompt: list[int], steps: int = 24) -> float:
+    """Median seconds of a one-token forward of ``model`` (draft or target) after ``prompt``."""
+    cache = model.new_cache()
+    logits = model.forward(torch.tensor([prompt]), cache)
+    token = int(torch.argmax(logits[0, -1]))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model.forward(torch.tensor([[token]]), cache)
+        times.append(time.perf_counter() - t0)
+        token = int(torch.argmax(logits[0, -1]))
+    return statistics.median(times)
+
+
+def in_round(config: BenchConfig, timing: Any, draft: Any, prompt: list[int], window: int) -> dict[str, float]:
+    """One ``specter+fixed`` request: per draft forward its parts, and the TPOT."""
+    timers = Timers()
+    target = load_target(config, timing, PROFILES[config.profiles[0]], "specter+fixed")
+    forward, plan_delta = draft.forward, proposer_module.plan_delta
+    try:
+        engine = Engine(target, draft, window, untimed_prefill=True)
+        engine.generate_fresh(prompt, 4)  # warm-up: first-call allocations, the chooser's state
+        on_plan, prefill = engine.policy.on_plan, engine.proposer.prefill
+        draft.forward = timers.wrap("forward", forward)
+        engine.proposer.prefill = timers.wrap("prefill", prefill)  # type: ignore[method-assign]
+        proposer_module.plan_delta = timers.wrap("plan delta", plan_delta)
+        engine.policy.on_plan = timers.wrap("on_plan", on_plan)  # type: ignore[method-assign]
+        stats = engine.generate(prompt, config.new_tokens)[1]
+    finally:
+        draft.forward = forward
+        proposer_module.plan_delta = plan_delta
+        target.close()
+    forwards = stats.extra["drafted"] + (stats.extra["rounds"] if engine.policy.route_last_draft else 0)
+    timers.seconds["forward"] -= timers.seconds.pop("prefill")  # the prompt's pass is not a round's
+    per = {name: s / forwards for name, s in timers.seconds.items()}
+    per["in round"] = stats.extra["draft_s"] / forwards
+    per["tpot"] = stats.tpot_s
+    return per
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--profile", default="qwen2moe-pcie4", choices=list(PROFILES))
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts to compare")
+    parser.add_argument("--mode", default="dequant-cache", help="the draft's expert mode")
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    prompts = load_prompts(args.model, None, args.num_prompts)
+    draft = load_draft(args.model + "-awq", mode=args.mode)
+    config = BenchConfig(args.model, args.model + "-awq", prompts, [args.profile], ["specter+fixed"],
+                         {}, new_tokens=args.new_tokens, budget=args.budget)
+    torch.set_num_threads(1)
+    step_1, _ = resident_step_s(args.model, prompts[0])
+    timing = resolve_timing(args.model, "wall", args.profile, step_s=step_1)  # one link for every setting
+    print(f"{args.profile} link at budget {args.budget:.0%}, K {args.window}, {args.mode}: {timing.describe()}")
+    resident = OffloadedTarget.load(args.model, SlotConfig(fraction=1.0), LinkConfig(bandwidth=1e15, latency=0.0))
+    rows: dict[int, dict[str, list[float]]] = {t: defaultdict(list) for t in threads}
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        for t in threads if i % 2 == 0 else threads[::-1]:
+            torch.set_num_threads(t)
+            rows[t]["target step"].append(resident_step_s(args.model, prompt)[0])
+            rows[t]["target fwd"].append(isolated_forward_s(resident, prompt))
+            rows[t]["draft fwd"].append(isolated_forward_s(draft, prompt))
+            for name, value in in_round(config, timing, draft, prompt, args.window).items():
+                rows[t][name].append(value)
+        print(f"  prompt {i + 1}/{len(prompts)} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    resident.close()
+    columns = ["target step", "target fwd", "draft fwd", "in round", "forward", "plan delta", "on_plan", "tpot"]
+    print("\n| threads | " + " | ".join(f"{c} ms" for c in columns) + " | in round / target step |")
+    print("| ---: |" + " ---: |" * (len(columns) + 1))
+    for t in threads:
+        med = {c: statistics.median(rows[t][c]) for c in columns}
+        cells = " | ".join(f"{med[c] * 1e3:.2f}" for c in columns)
+        print(f"| {t} | {cells} | {med['in round'] / med['target step']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

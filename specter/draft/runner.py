@@ -52,25 +52,34 @@ class DraftExperts:
     ) -> torch.Tensor:
         """Every token's k experts with the draft's quantized weights, weighted and summed.
 
-        A decode step (one token) runs its k experts on the one row and sums them with one small
-        matmul. Several tokens are sorted by expert once, so each expert runs on a contiguous
-        slice of rows, and one ``index_add_`` scatters every weighted row back to its token —
-        not transformers' per-expert ``where`` and ``index_add_``.
+        A decode step (one token) runs its k experts on the one row and sums the weighted rows.
+        Several tokens are sorted by expert once, so each expert runs on a contiguous slice of
+        rows and scatters them back to their tokens — not transformers' per-expert ``where``.
+        Either way the experts go in ascending id order and each expert's rows in (top-k
+        position, token) order, as transformers' loop takes them: the sums are bit for bit its.
         """
         if hidden.shape[0] == 1:
-            outs = [self._expert(module, layer, expert, hidden) for expert in top_k_index[0].tolist()]
-            return (top_k_weights.to(hidden.dtype) @ torch.cat(outs)).to(hidden.dtype)
-        k = top_k_index.shape[1]
-        flat = top_k_index.flatten()
+            chosen = sorted(zip(top_k_index[0].tolist(), range(top_k_index.shape[1]), strict=True))
+            outs = [self._expert(module, layer, expert, hidden) for expert, _ in chosen]
+            weights = top_k_weights[0, [pos for _, pos in chosen], None]
+            weighted = (torch.cat(outs) * weights).to(hidden.dtype)
+            total = weighted[:1]
+            for row in weighted[1:]:  # one add at a time: rounds as transformers' index_add_ does
+                total = total + row
+            return total
+        tokens = hidden.shape[0]
+        flat = top_k_index.T.flatten()  # (top-k position, token) order
         order = torch.argsort(flat, stable=True)
-        rows = hidden[order // k]
+        rows = order % tokens
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        outs = [
-            self._expert(module, layer, expert, part)
-            for expert, part in zip(experts.tolist(), rows.split(counts.tolist()), strict=True)
-        ]
-        weighted = torch.cat(outs) * top_k_weights.flatten()[order, None].to(hidden.dtype)
-        return torch.zeros_like(hidden).index_add_(0, order // k, weighted)
+        sizes = counts.tolist()
+        final = torch.zeros_like(hidden)
+        for expert, part, at, weight in zip(
+            experts.tolist(), hidden[rows].split(sizes), rows.split(sizes),
+            top_k_weights.T.flatten()[order, None].split(sizes), strict=True,
+        ):  # one index_add_ per expert: bf16 sums round after each expert, as transformers' do
+            final.index_add_(0, at, (self._expert(module, layer, expert, part) * weight).to(hidden.dtype))
+        return final
 
     def _expert(self, module: Any, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = self.kernels.gate_up((layer, expert), rows).chunk(2, dim=-1)

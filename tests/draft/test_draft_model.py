@@ -10,9 +10,11 @@ from safetensors import safe_open
 from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
+from specter.assets import DEFAULT_MODEL
 from specter.draft.calibrate import GenerationSpec
+from specter.draft.kernels import ExpertKernels
 from specter.draft.quantize import quantize_model
-from specter.draft.runner import DraftModel, read_experts
+from specter.draft.runner import DraftExperts, DraftModel, read_experts
 from specter.models.checkpoint import CheckpointError
 from specter.models.routing import router_modules
 
@@ -177,3 +179,45 @@ def test_bf16_checkpoint_keeps_bf16_scales_and_dense_parts(tmp_path, calib_ids) 
         want = _target(src)(_ids()).logits.float()
     got = DraftModel.load(tmp_path / "d", device="cpu", mode="dequant-cache").forward(_ids())
     assert float((got - want).norm() / want.norm()) < 3e-2
+
+
+
+
+def _same_experts_loop(plain: str, draft_folder: str, dtype: torch.dtype) -> None:
+    draft = DraftModel.load(draft_folder, device="cpu", mode="dequant-cache")
+    experts, _ = read_experts(draft.loaded, draft.loaded.checkpoint.config["quantization_config"])
+    layer = draft.loaded.moe_layers[0]
+    module = draft.loaded.experts_modules[layer]
+    reference = _target(plain).model.layers[layer].mlp.experts.to(dtype)
+    with torch.no_grad():
+        for expert in range(reference.num_experts):
+            gate, up, down = experts[(layer, expert)]
+            reference.gate_up_proj[expert] = torch.cat([gate.dequantize(), up.dequantize()])
+            reference.down_proj[expert] = down.dequantize()
+    runner = DraftExperts(ExpertKernels(experts, "dequant-cache", dtype, torch.device("cpu")))
+    gen = torch.Generator().manual_seed(3)
+    k = draft.loaded.top_k
+    for tokens in (1, 1, 2, 3, 9, 33):
+        hidden = torch.randn(tokens, reference.gate_up_proj.shape[-1], generator=gen).to(dtype)
+        index = torch.stack([torch.randperm(reference.num_experts, generator=gen)[:k] for _ in range(tokens)])
+        index[-1] = index[0]  # two tokens share all their experts
+        weights = torch.rand(tokens, k, generator=gen)
+        with torch.no_grad():
+            want = reference(hidden, index, weights)
+            got = runner.forward(module, layer, hidden, index, weights)
+        assert torch.equal(got, want), f"{tokens} tokens: max |diff| {float((got - want).abs().max())}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_loop_is_transformers_bit_for_bit(family, dtype, plain_dir, draft_dir) -> None:
+    """The draft's experts loop (one token: its k rows summed one add at a time; several: sorted by
+    expert once) adds in transformers' order, so it equals transformers' eager loop exactly."""
+    _same_experts_loop(str(plain_dir(family)), str(draft_dir(family, "awq")), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_loop_is_transformers_bit_for_bit_on_the_shipped_model(dtype) -> None:
+    """The same on the embedded moe-fine (64 experts, top-4, H 256), where torch's bf16 kernels
+    take their vectorized paths."""
+    _same_experts_loop(str(DEFAULT_MODEL), str(DEFAULT_MODEL) + "-awq", dtype)

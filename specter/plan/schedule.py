@@ -37,12 +37,15 @@ def prefetch(
     if next_use is not None:  # fixed while issuing: each expert's next use is computed once
         next_use = functools.cache(next_use)
     victims: dict[int, list[Key]] = {}  # per slot group: the evictable, furthest next use last
+    empty: dict[int, int] = {}  # per slot group: its empty slots (a fetch fills one before it evicts)
     for key in keys:
         if key in pool.where:
             continue
         choose = None
         group = pool.group_of(key[0])
-        if next_use is not None and all(pool.owner[s] is not None for s in pool.group_slots[group]):
+        if group not in empty:
+            empty[group] = sum(pool.owner[s] is None for s in pool.group_slots[group])
+        if next_use is not None and not empty[group]:
             if group not in victims:  # ties: the first in slot order goes first, as max() would pick
                 ranked = sorted(enumerate(pool.evictable(key[0], protect)), key=lambda c: (next_use(c[1]), -c[0]))
                 victims[group] = [k for _, k in ranked]
@@ -52,6 +55,7 @@ def prefetch(
             choose = _fixed(queue.pop())
         if offload.fetch(key, PREFETCH, protect, choose) is None:
             break
+        empty[group] = max(0, empty[group] - 1)
         issued.append(key)
     return issued
 

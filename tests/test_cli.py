@@ -38,6 +38,7 @@ def test_generate_json_matches_transformers(tiny_dir, capsys):
         (["--top-p", "0"], "--top-p"),
         (["--policy", "magic"], "--policy"),
         (["--prompt-ids", "1,x"], "--prompt-ids"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(tiny_dir, capsys, argv, flag):
@@ -71,3 +72,24 @@ def test_link_profile_sets_a_simulated_link_from_the_measured_step(tiny_dir, cap
     assert "clock wall (profile dsv2lite-pcie4, rho 13.1, link" in captured.err
     stats = json.loads(captured.out.strip().splitlines()[-1])["stats"]
     assert stats["misses"] >= 0 and stats["clock"] == "wall"
+
+
+def test_threads_flag_sets_torch_threads_and_the_default_leaves_the_link_a_core(tiny_dir, capsys, monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        code = main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                     "--threads", "3", "--json"])
+        assert code == 0 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    from specter.config import compute_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert compute_threads() == 7 and compute_threads(2) == 2
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert compute_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert compute_threads() == 5
+    with pytest.raises(ValueError, match="threads"):
+        compute_threads(0)

@@ -18,7 +18,7 @@ import ray
 from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, init_ray
 from actors.launcher import EngineHandle, launch
 from specter.config import LinkConfig, SlotConfig
-from specter.target import _load_tokenizer
+from specter.target import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Client:
         if not ray.is_initialized():
             init_ray(address, num_cpus, connect_timeout_s)
             self._owns_ray = True
-        self.tokenizer = _load_tokenizer(Path(model))
+        self.tokenizer = load_tokenizer(Path(model))
         self.handle: EngineHandle = launch(
             model, draft, budget or SlotConfig(fraction=0.5), link or LinkConfig(), policy, timeout_s=timeout_s,
             host_profile=host_profile,

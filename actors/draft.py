@@ -13,9 +13,9 @@ import ray
 
 from actors.common import DEVICE, setup_process
 from actors.metrics import Recorder
-from specter.channel import Channel
 from specter.draft.loading import load_draft
-from specter.draft_server import DraftServer
+from specter.remote.channel import Channel
+from specter.remote.draft_server import DraftServer
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.draft import DraftActor
 from actors.transfer import TransferActor
 from actors.verifier import VerifierActor
-from specter.channel import endpoint
 from specter.config import LinkConfig, SlotConfig
-from specter.experts.shm import unlink_prefix
+from specter.remote.channel import endpoint
+from specter.remote.shm import unlink_prefix
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """TransferActor: the pinned host store, the shared slot storage and the copy thread.
 
 It creates the slot pool's storage as ``SharedSlots`` (and the link counters next to it), keeps the
-host store in shared memory too (``specter/experts/shared_store.py``: the verifier maps it read-only
+host store in shared memory too (``specter/remote/shared_store.py``: the verifier maps it read-only
 to compute late experts on the host), makes a private ipc directory, binds the pull socket the verifier's ``RemoteLink`` pushes commands to,
-and serves them in a background thread (``specter.experts.transfer_server``). Control plane only
+and serves them in a background thread (``specter.remote.transfer_server``). Control plane only
 through Ray: ``info``, ``start``, ``seal``, ``counters``, ``close``.
 
 ``seal`` runs once the verifier has mapped the shared memory and connected both sockets: it removes
@@ -23,16 +23,17 @@ from typing import Any
 import msgspec
 import ray
 
-from actors.common import compute_dtype, setup_process, slot_groups
+from actors.common import compute_dtype, setup_process
 from actors.metrics import Recorder
-from specter.channel import Channel, private_ipc_dir
 from specter.config import LinkConfig, SlotConfig
-from specter.experts.shared_counters import SharedCounters
-from specter.experts.shared_store import SharedArena, store_name
-from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
 from specter.experts.store import ExpertStore
-from specter.experts.transfer_server import TransferServer
 from specter.models.loader import build_dense, load_store
+from specter.remote.channel import Channel, private_ipc_dir
+from specter.remote.counters import SharedCounters
+from specter.remote.shared_store import SharedArena, store_name
+from specter.remote.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.remote.transfer_server import TransferServer
+from specter.target import slot_groups
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Its slot pool's storage is the transfer actor's ``SharedSlots``; its link is a ``RemoteLink``
 (commands over ZeroMQ, readiness from the seq table). It maps the transfer actor's host store
 read-only, so a policy with host compute computes a late expert here, from the same blob, exactly
-as in process (``specter/experts/shared_store.py`` says why here and not in the transfer actor). With a draft actor, the engine's proposer
+as in process (``specter/remote/shared_store.py`` says why here and not in the transfer actor). With a draft actor, the engine's proposer
 is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
 stats; nothing per token crosses Ray.
 """
@@ -17,24 +17,24 @@ from typing import Any
 import msgspec
 import ray
 
-from actors.common import DEVICE, compute_dtype, setup_process, slot_groups
+from actors.common import DEVICE, compute_dtype, setup_process
 from actors.metrics import Recorder
-from specter.channel import Channel
 from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
-from specter.experts.remote_experts import RemoteExperts
-from specter.experts.remote_link import RemoteLink
-from specter.experts.shared_counters import SharedCounters
-from specter.experts.shared_store import SharedArena, store_name
-from specter.experts.shm import SharedSlots, SlotsHandle
 from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import make_policy
 from specter.profiles import simulated_host
 from specter.protocol import Shutdown
-from specter.remote_proposer import RemoteProposer
-from specter.target import OffloadedTarget
+from specter.remote.channel import Channel
+from specter.remote.counters import SharedCounters
+from specter.remote.experts import RemoteExperts
+from specter.remote.link import RemoteLink
+from specter.remote.proposer import RemoteProposer
+from specter.remote.shared_store import SharedArena, store_name
+from specter.remote.shm import SharedSlots, SlotsHandle
+from specter.target import OffloadedTarget, slot_groups
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,11 @@ class VerifierActor:
         loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
         self._loaded = None
         groups = slot_groups(self.budget, loaded)
-        pool = SlotPool(loaded.shape, groups, DEVICE)
-        if pool.num_slots != self.slots.num_slots:
-            raise RuntimeError(f"slots: the verifier sizes {pool.num_slots} slots, the transfer actor {self.slots.num_slots}")
-        pool.storage = self.slots.storage
+        if sum(groups.values()) != self.slots.num_slots:
+            raise RuntimeError(
+                f"slots: the verifier sizes {sum(groups.values())} slots, the transfer actor {self.slots.num_slots}"
+            )
+        pool = SlotPool(loaded.shape, groups, DEVICE, storage=self.slots.storage)
         store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, arena=self.arena.tensor)
         offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
         offload.set_host(self._host(loaded))

@@ -30,7 +30,7 @@ from specter.assets import ASSETS  # noqa: E402
 from specter.config import LinkConfig, SlotConfig  # noqa: E402
 from specter.jobs import BatchItem, ResultsFile, errors_path  # noqa: E402
 from specter.prompts import HELDOUT, read_jsonl  # noqa: E402
-from specter.target import _load_tokenizer  # noqa: E402
+from specter.target import load_tokenizer  # noqa: E402
 
 
 def main() -> int:
@@ -45,7 +45,7 @@ def main() -> int:
     rows = read_jsonl(HELDOUT)[: args.prompts]
     items = [BatchItem(str(i), row["prompt"], i + 1, args.new_tokens, 0.0, 0) for i, row in enumerate(rows)]
     items[1].max_new_tokens = args.long_tokens
-    tokenizer = _load_tokenizer(Path(args.model))
+    tokenizer = load_tokenizer(Path(args.model))
     assert tokenizer is not None
     options = BatchOptions(args.model, args.draft, SlotConfig(fraction=0.5), LinkConfig.parse("sim:4"),
                            policy="specter", window=4, timeout_s=args.timeout)

@@ -477,7 +477,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specter.draft.loading import check_draft_matches
     from specter.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
     from specter.models.checkpoint import read_config_dict, resolve_model_dir
-    from specter.target import _load_tokenizer
+    from specter.target import load_tokenizer
 
     sampling = _sampling(args, parser)
     window = _window(args, parser)
@@ -509,7 +509,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     timing = _timing(args, parser)  # the actors' wall clock; a profile's link comes with its host
     link, host_profile = timing.link, timing.profile
     budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
-    tokenizer = _load_tokenizer(resolve_model_dir(args.model))
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer; batch prompts are text")
     from actors.batch import BatchOptions, run_batch

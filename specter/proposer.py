@@ -1,7 +1,7 @@
 """Who proposes the draft tokens of a round: a draft in this process, or one behind a socket.
 
 The engine asks a ``Proposer`` for K tokens per round. ``LocalProposer`` runs a draft model here
-(the in-process engine); ``specter.remote_proposer.RemoteProposer`` asks the draft actor over
+(the in-process engine); ``specter.remote.proposer.RemoteProposer`` asks the draft actor over
 ZeroMQ. Both hand each draft step's routing to ``on_plan`` the moment the step finishes, so that
 transfers start while the draft is still drafting.
 """

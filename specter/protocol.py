@@ -84,7 +84,8 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
 
 
 class PlanDelta(msgspec.Struct, frozen=True, array_like=True, tag="plan"):
-    """What the draft's routers picked at one draft step of one round (draft → transfer).
+    """What the draft's routers picked at one draft step of one round (draft → verifier: the
+    verifier's policy schedules the transfers; the draft server sends one per step as it ends).
 
     Attributes:
         round: the speculative round this step belongs to (stale rounds are cancelled).
@@ -144,7 +145,9 @@ class DraftTokens(msgspec.Struct, frozen=True, array_like=True, tag="draft"):
 
 
 class VerifyResult(msgspec.Struct, frozen=True, array_like=True, tag="verify"):
-    """The verifier's decision on a round (verifier → draft, and → transfer for its cache policy).
+    """The verifier's decision on a round. No component sends it yet (the fuzzer and the tests
+    do): it is the message a pipelined draft and a transfer-side schedule need (verifier → draft,
+    transfer).
 
     Attributes:
         round: the round decided.
@@ -162,7 +165,9 @@ class VerifyResult(msgspec.Struct, frozen=True, array_like=True, tag="verify"):
 
 
 class DemandRequest(msgspec.Struct, frozen=True, array_like=True, tag="demand"):
-    """The verifier needs these experts of ``layer`` now and they are not in flight (→ transfer)."""
+    """The verifier needs these experts of ``layer`` now and they are not in flight. No component
+    sends it yet (demand misses go as ``FetchExpert`` with priority 0); kept for a transfer-side
+    schedule (verifier → transfer)."""
 
     round: Id
     layer: Id
@@ -170,7 +175,7 @@ class DemandRequest(msgspec.Struct, frozen=True, array_like=True, tag="demand"):
 
 
 class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
-    """Start generating for one prompt (driver → draft, verifier and transfer).
+    """Start generating for one prompt (verifier → draft: ``RemoteProposer.prefill``).
 
     Sampling fields mean what ``SamplingConfig``'s do (temperature 0: greedy; top_k 0: off);
     ``window`` is K, 0 for the policy's default.
@@ -187,7 +192,8 @@ class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
 
 
 class RequestDone(msgspec.Struct, frozen=True, array_like=True, tag="done"):
-    """A request finished (verifier → driver); ``stats_json`` is a JSON object of its stats."""
+    """A request finished; ``stats_json`` is a JSON object of its stats. No component sends it yet
+    (the driver gets results as Ray return values); kept for a streaming driver (verifier → driver)."""
 
     request_id: Name
     tokens: Tokens
@@ -196,13 +202,14 @@ class RequestDone(msgspec.Struct, frozen=True, array_like=True, tag="done"):
 
 class Cancel(msgspec.Struct, frozen=True, array_like=True, tag="cancel"):
     """Round ``round`` was drafted on a prefix the verifier rejected: drop its plan deltas and its
-    queued prefetches (draft → transfer, once a ``VerifyResult`` makes an optimistic round stale)."""
+    queued prefetches. No component sends it yet: it is the pipelined draft's message (draft →
+    transfer, once a ``VerifyResult`` makes an optimistic round stale)."""
 
     round: Id
 
 
 class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
-    """Stop after the current work (driver → every actor)."""
+    """Stop after the current work (verifier → draft and transfer, as the verifier closes)."""
 
     reason: Text = ""
 

@@ -74,7 +74,7 @@ class OffloadedTarget:
         if budget is None:
             plan = _plan(memory or MemoryRequest(), loaded, device)
             budget = SlotConfig(experts=plan.slots)
-        groups = _groups(budget, loaded)
+        groups = slot_groups(budget, loaded)
         pin = device.type == "cuda"
         store = load_store(loaded, pin=pin)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
@@ -86,7 +86,7 @@ class OffloadedTarget:
         offload.prefill_slots()
         target = cls(loaded, offload, device)
         target.memory_plan = plan
-        target.tokenizer = _load_tokenizer(loaded.checkpoint.dir)
+        target.tokenizer = load_tokenizer(loaded.checkpoint.dir)
         log.info(
             "target %s: %d MoE layers x %d experts (%.1f MB each), %d slots (%s), link %s",
             loaded.family.model_type, len(loaded.moe_layers), loaded.num_experts, loaded.shape.nbytes / 1e6,
@@ -144,7 +144,7 @@ def _plan(request: MemoryRequest, loaded: LoadedModel, device: torch.device) -> 
     return plan_memory(size, loaded, request.draft_bytes, request.max_context, request.window)
 
 
-def _groups(budget: SlotConfig, loaded: LoadedModel) -> dict[int, int]:
+def slot_groups(budget: SlotConfig, loaded: LoadedModel) -> dict[int, int]:
     layers = len(loaded.moe_layers)
     count = budget.slots(layers, loaded.num_experts, loaded.shape.nbytes, loaded.top_k)
     if budget.per_layer:
@@ -164,7 +164,7 @@ def _make_link(config: LinkConfig, device: torch.device, clock: WallClock) -> Li
     return SimulatedLink(config.bandwidth, config.latency)
 
 
-def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     from transformers import AutoTokenizer

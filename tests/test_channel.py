@@ -18,7 +18,6 @@ import msgpack
 import pytest
 import zmq
 
-from specter.channel import Channel, ChannelError, ChannelTimeout, check_endpoint, endpoint, private_ipc_dir
 from specter.protocol import (
     MALFORMED,
     PROTOCOL_VERSION,
@@ -32,13 +31,21 @@ from specter.protocol import (
     Welcome,
     encode,
 )
+from specter.remote.channel import (
+    Channel,
+    ChannelError,
+    ChannelTimeout,
+    check_endpoint,
+    endpoint,
+    private_ipc_dir,
+)
 
 # The peer process. "garbage": interleave good and bad frames, then wait for Shutdown.
 # "echo": send every message back until Shutdown.
 PEER = textwrap.dedent(
     """
     import sys
-    from specter.channel import Channel
+    from specter.remote.channel import Channel
     from specter.protocol import Hello, PlanDelta, Shutdown, encode
     mode, address = sys.argv[1], sys.argv[2]
     ch = Channel("pair", address, bind=False, peer="test", timeout_s=10)
@@ -274,7 +281,7 @@ def test_drop_logging_is_rate_limited(tmp_path: Path, caplog: pytest.LogCaptureF
         for _ in range(50):
             raw.send(msgpack.packb(["no-such-tag"]))
         raw.send(encode(Cancel(9)))
-        with caplog.at_level("WARNING", logger="specter.channel"):
+        with caplog.at_level("WARNING", logger="specter.remote.channel"):
             assert ch.recv(5) == Cancel(9)
         assert ch.dropped[UNKNOWN] == 50
         assert len([r for r in caplog.records if "dropped" in r.message]) == 1

@@ -97,3 +97,13 @@ def test_budget_below_one_layers_top_k_is_refused_before_work():
     for bad in ("0", "1.5", "-3", "lots", "nan"):
         with pytest.raises(ValueError, match="budget"):
             SlotConfig.parse(bad)
+
+
+def test_slot_pool_on_given_storage_uses_it_and_refuses_a_wrong_shape() -> None:
+    shape = ExpertShape(hidden=4, intermediate=2, dtype=torch.float32)
+    memory = torch.zeros(3, shape.numel)
+    pool = SlotPool(shape, {-1: 3}, storage=memory)
+    pool.place((0, 1), 2, torch.ones(shape.numel))
+    assert torch.all(memory[2] == 1)  # the pool wrote into the given memory
+    with pytest.raises(ValueError, match=r"storage: expected \(3, "):
+        SlotPool(shape, {-1: 3}, storage=torch.zeros(2, shape.numel))

@@ -329,7 +329,7 @@ def test_the_scan_would_see_them() -> None:
 
 
 def test_every_socket_reads_through_the_typed_decoder() -> None:
-    from specter import channel
+    from specter.remote import channel
 
     assert isinstance(P._decoder, msgspec.msgpack.Decoder) and P._decoder.type == P.Message
     assert channel.decode is P.decode  # Channel._decode: the only place frames become objects

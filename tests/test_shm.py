@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from specter.experts.shm import (
+from specter.remote.shm import (
     SharedSlots,
     SharedSlotsError,
     SlotsHandle,
@@ -33,7 +33,7 @@ NUMEL = 4096
 CHILD = textwrap.dedent(
     """
     import sys, time, msgspec, torch
-    from specter.experts.shm import SharedSlots, SlotsHandle
+    from specter.remote.shm import SharedSlots, SlotsHandle
     mode, arg = sys.argv[1], sys.argv[2]
     if mode == "own":
         pools = [SharedSlots.create(prefix, 2, 64, torch.float32) for prefix in arg.split(",")]

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 from specter.draft.pack import pack_int32, unpack_int32
 from specter.draft.qweight import QuantWeight
+from specter.experts.slots import Key
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly")
 _KERNEL_GROUPS = (32, 64, 128, 256)
 
-Key = tuple[int, int]
 # (gate, up, down) of one expert.
 ExpertWeights = tuple[QuantWeight, QuantWeight, QuantWeight]
 

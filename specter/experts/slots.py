@@ -28,13 +28,25 @@ class SlotPool:
         shape: every expert's shape (one slot holds one blob).
         groups: slots per group, e.g. ``{-1: 24}`` (global) or ``{layer: 6, ...}`` (per layer).
         device: where the slots live.
+        storage: the slots' memory when it is not this pool's own (``(num_slots, numel)`` of the
+            shape's dtype: the transfer actor's shared slots); default a fresh tensor on ``device``.
     """
 
-    def __init__(self, shape: ExpertShape, groups: dict[int, int], device: torch.device | str = "cpu"):
+    def __init__(
+        self, shape: ExpertShape, groups: dict[int, int], device: torch.device | str = "cpu",
+        storage: torch.Tensor | None = None,
+    ):
         self.shape = shape
         self.per_layer = -1 not in groups
         self.num_slots = sum(groups.values())
-        self.storage = torch.empty(self.num_slots, shape.numel, dtype=shape.dtype, device=device)
+        if storage is None:
+            storage = torch.empty(self.num_slots, shape.numel, dtype=shape.dtype, device=device)
+        elif tuple(storage.shape) != (self.num_slots, shape.numel) or storage.dtype != shape.dtype:
+            raise ValueError(
+                f"storage: expected ({self.num_slots}, {shape.numel}) {shape.dtype} for these slots, "
+                f"got {tuple(storage.shape)} {storage.dtype}"
+            )
+        self.storage = storage
         self.group_slots: dict[int, list[int]] = {}
         start = 0
         for group, count in groups.items():

@@ -49,7 +49,7 @@ class ExpertStore:
         shape: the shape every expert shares.
         pin: page-lock the host memory (CUDA only; makes copies asynchronous and faster).
         arena: memory to hold the blobs instead of a new allocation (e.g. shared memory,
-            ``specter/experts/shared_store.py``): a flat tensor of ``arena_numel`` elements.
+            ``specter/remote/shared_store.py``): a flat tensor of ``arena_numel`` elements.
     """
 
     def __init__(self, layers: list[int], num_experts: int, shape: ExpertShape, pin: bool = False,

@@ -8,8 +8,6 @@ import msgpack
 import pytest
 import torch
 
-from specter.channel import Channel
-from specter.draft_server import FAILED, OUT_OF_RANGE, UNEXPECTED, DraftServer
 from specter.protocol import (
     MALFORMED,
     UNKNOWN,
@@ -24,6 +22,8 @@ from specter.protocol import (
     Shutdown,
     StartRequest,
 )
+from specter.remote.channel import Channel
+from specter.remote.draft_server import FAILED, OUT_OF_RANGE, UNEXPECTED, DraftServer
 
 SAMPLES = [
     ProposeRequest(3, 10, [5, 6], 4, True),

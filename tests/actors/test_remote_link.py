@@ -12,21 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from specter.channel import Channel, private_ipc_dir
 from specter.config import LinkConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.link import DEMAND, PREFETCH, Transfer
-from specter.experts.remote_experts import RemoteExperts
-from specter.experts.remote_link import RemoteLink
-from specter.experts.shared_counters import SharedCounters
-from specter.experts.shm import SharedSlots, new_prefix, unlink_prefix
 from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
-from specter.experts.transfer_server import OUT_OF_RANGE, UNEXPECTED, UNKNOWN_ID, TransferServer
 from specter.models.loader import build_dense, load_store
 from specter.plan import make_policy
 from specter.protocol import DropFetch, FetchExpert, PlanDelta, PromoteFetch
-from specter.target import OffloadedTarget, _groups
+from specter.remote.channel import Channel, private_ipc_dir
+from specter.remote.counters import SharedCounters
+from specter.remote.experts import RemoteExperts
+from specter.remote.link import RemoteLink
+from specter.remote.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.remote.transfer_server import OUT_OF_RANGE, UNEXPECTED, UNKNOWN_ID, TransferServer
+from specter.target import OffloadedTarget, slot_groups
 
 SHAPE = ExpertShape(hidden=8, intermediate=4, dtype=torch.float32)  # 384 bytes per expert
 STEP_S = 0.1  # every transfer takes this long on the simulated link
@@ -221,11 +221,10 @@ def _remote_target(folder: Path) -> Iterator[OffloadedTarget]:
     """The verifier actor's target (``actors/verifier.py``), with its transfer side in a thread."""
     host = build_dense(folder, torch.float32)
     store = load_store(host)
-    groups = _groups(BUDGET, host)
+    groups = slot_groups(BUDGET, host)
     with transfer_side(store, sum(groups.values()), SLOW) as (remote, _):
         loaded = build_dense(folder, torch.float32)
-        pool = SlotPool(loaded.shape, groups, torch.device("cpu"))
-        pool.storage = remote.slots.storage
+        pool = SlotPool(loaded.shape, groups, torch.device("cpu"), storage=remote.slots.storage)
         offload = RemoteExperts(store, pool, remote, make_policy("demand-lru"), timeout=30)
         offload.prefill_slots()
         yield OffloadedTarget(loaded, offload, torch.device("cpu"))

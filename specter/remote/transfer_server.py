@@ -2,7 +2,7 @@
 
 ``SlotWriterLink`` is a ``SimulatedLink`` (same time model: ``latency + bytes / bandwidth`` per
 transfer, one at a time, demand before prefetch, queued ones cancellable) whose copies land in
-:class:`~specter.experts.shm.SharedSlots`: each transfer claims its slot in the seq table, copies,
+:class:`~specter.remote.shm.SharedSlots`: each transfer claims its slot in the seq table, copies,
 waits out the link model, counts itself in :class:`SharedCounters`, then publishes the key.
 ``TransferServer`` reads ``FetchExpert``/``PromoteFetch``/``DropFetch``/``LinkTiming`` from a
 channel and drives it. A command that names no real expert, slot or transfer, or a message meant
@@ -17,13 +17,13 @@ import threading
 import time
 import weakref
 
-from specter.channel import Channel, DropLog
 from specter.config import LinkConfig
 from specter.experts.link import SimulatedLink, Transfer
-from specter.experts.shared_counters import SharedCounters
-from specter.experts.shm import SharedSlots
 from specter.experts.store import ExpertStore
 from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch, Shutdown
+from specter.remote.channel import Channel, DropLog
+from specter.remote.counters import SharedCounters
+from specter.remote.shm import SharedSlots
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from specter.channel import Channel, DropLog
 from specter.config import SamplingConfig
 from specter.proposer import OnPlan
 from specter.protocol import DraftTokens, Error, PlanDelta, ProposeRequest, StartRequest
+from specter.remote.channel import Channel, DropLog
 
 
 class DraftError(RuntimeError):

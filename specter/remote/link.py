@@ -3,7 +3,7 @@
 ``submit``/``promote``/``cancel`` send ``FetchExpert``/``PromoteFetch``/``DropFetch`` over a
 ZeroMQ push channel; a transfer's completion is read from the shared slots' seq table (its
 ``done`` is a :class:`SeqEvent`), so readiness costs no message and no Ray call. Counters come
-from the transfer side's :class:`~specter.experts.shared_counters.SharedCounters`. Setting
+from the transfer side's :class:`~specter.remote.counters.SharedCounters`. Setting
 ``timed`` (the engine's untimed prefill) sends ``LinkTiming``, so the transfer side's link model
 is switched off and on exactly as an in-process ``SimulatedLink``'s.
 
@@ -24,16 +24,16 @@ from typing import Any
 
 import torch
 
-from specter.channel import Channel
 from specter.config import LinkConfig
 from specter.experts.link import DEMAND, Link, LinkError, Transfer
-from specter.experts.shared_counters import SharedCounters
-from specter.experts.shm import SharedSlots, SlotTimeout
+from specter.experts.slots import Key
 from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch
+from specter.remote.channel import Channel
+from specter.remote.counters import SharedCounters
+from specter.remote.shm import SharedSlots, SlotTimeout
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int]
 _FOREVER_S = 1e9
 
 

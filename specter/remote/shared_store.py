@@ -22,7 +22,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from specter.experts.shm import SHM_DIR, SharedSlotsError, _open, _shm_unlink
+from specter.remote.shm import SHM_DIR, SharedSlotsError, open_shared, shm_unlink
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SharedArena:
     @classmethod
     def create(cls, name: str, numel: int, dtype: torch.dtype) -> SharedArena:
         """A new zero-filled segment of ``numel`` elements (mode 0600)."""
-        shm = _open(name, numel * dtype.itemsize)  # the slots' own constructor: 0600, untracked
+        shm = open_shared(name, numel * dtype.itemsize)  # the slots' own constructor: 0600, untracked
         return cls(name, torch.frombuffer(shm.buf, dtype=dtype, count=numel), True, shm)
 
     @classmethod
@@ -73,7 +73,7 @@ class SharedArena:
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until closed); idempotent."""
-        _shm_unlink(self.name)
+        shm_unlink(self.name)
 
     def close(self) -> None:
         """Drop this side's view and unmap; the owner also removes the name."""

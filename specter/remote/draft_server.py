@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 
-from specter.channel import Channel, ChannelError, DropLog
 from specter.config import SamplingConfig
 from specter.proposer import Draft, LocalProposer
 from specter.protocol import (
@@ -24,6 +23,7 @@ from specter.protocol import (
     SparseProbs,
     StartRequest,
 )
+from specter.remote.channel import Channel, ChannelError, DropLog
 
 OUT_OF_RANGE, UNEXPECTED, FAILED = "out_of_range", "unexpected", "failed"
 

@@ -16,7 +16,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from specter.experts.shm import _fence, _shm_unlink
+from specter.remote.shm import fence, shm_unlink
 
 WORDS = 4  # bytes moved, busy seconds, transfers, due time of the transfer moving now
 
@@ -33,7 +33,7 @@ class SharedCounters:
         self.name = f"{prefix}-counters"
         self.owner = create
         self._shm = SharedMemory(self.name, create=create, size=8 * WORDS)
-        if sys.version_info < (3, 13):  # see specter.experts.shm._untrack
+        if sys.version_info < (3, 13):  # see specter.remote.shm._untrack
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._words = np.ndarray((WORDS,), dtype="<f8", buffer=self._shm.buf)
         if create:
@@ -44,27 +44,27 @@ class SharedCounters:
         self._words[0] += nbytes
         self._words[1] += busy_s
         self._words[2] += transfers
-        _fence()
+        fence()
 
     def moving(self, due: float) -> None:
         """The transfer that starts now is due to land at ``due`` (writer side only)."""
         self._words[3] = due
-        _fence()
+        fence()
 
     def due(self) -> float:
         """When the transfer moving now (or the last one) is due to land."""
-        _fence()
+        fence()
         return float(self._words[3])
 
     def read(self) -> tuple[int, float, int]:
         """``(bytes_moved, busy_s, transfers)`` now."""
-        _fence()
+        fence()
         words = self._words[:3].copy()
         return int(words[0]), float(words[1]), int(words[2])
 
     def unlink(self) -> None:
         """Remove the name (the mappings stay valid); idempotent."""
-        _shm_unlink(self.name)
+        shm_unlink(self.name)
 
     def close(self) -> None:
         """Unmap; the creator also removes the name."""

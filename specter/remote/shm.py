@@ -33,9 +33,10 @@ import msgspec
 import numpy as np
 import torch
 
+from specter.experts.slots import Key
+
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int]  # (layer, expert)
 SHM_DIR = "/dev/shm"
 MAGIC = 0x544F4C5352545053  # b"SPTRSLOT" read as a little-endian int64
 LAYOUT_VERSION = 1
@@ -96,7 +97,7 @@ def unlink_prefix(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
     creating process was killed); returns the names removed. Linux (``/dev/shm``) only."""
     _check_prefix(prefix)
     names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)] if os.path.isdir(shm_dir) else []
-    removed = [n for n in names if _shm_unlink(n)]
+    removed = [n for n in names if shm_unlink(n)]
     if removed:
         log.info("removed shared memory %s", ", ".join(removed))
     return removed
@@ -152,9 +153,9 @@ class SharedSlots:
         if num_slots < 1 or numel < 1:
             raise ValueError(f"num_slots and numel must be >= 1, got {num_slots} and {numel}")
         on_cuda = torch.device(device).type == "cuda"
-        table, data = _open(f"{name_prefix}-table", 8 * (HEADER_WORDS + ROW_WORDS * num_slots)), None
+        table, data = open_shared(f"{name_prefix}-table", 8 * (HEADER_WORDS + ROW_WORDS * num_slots)), None
         try:
-            data = None if on_cuda else _open(f"{name_prefix}-data", num_slots * numel * dtype.itemsize)
+            data = None if on_cuda else open_shared(f"{name_prefix}-data", num_slots * numel * dtype.itemsize)
             dtype_name = str(dtype).removeprefix("torch.")
             handle = SlotsHandle(
                 name_prefix, num_slots, numel, dtype_name, _name(table), _name(data) if data else ""
@@ -166,7 +167,7 @@ class SharedSlots:
         except BaseException:
             for shm in (data, table):
                 _close(shm)
-                _shm_unlink(_name(shm) if shm else "")
+                shm_unlink(_name(shm) if shm else "")
             raise
 
     @classmethod
@@ -195,7 +196,7 @@ class SharedSlots:
         """Claim ``slot`` for writing (its sequence number turns odd); False if a reader pins it."""
         seq = int(self.table[slot, SEQ])
         self.table[slot, SEQ] = seq + 1
-        _fence()  # the odd number is visible before we look at the pins (Dekker with acquire())
+        fence()  # the odd number is visible before we look at the pins (Dekker with acquire())
         if self.table[slot, PINS] > 0:
             self.table[slot, SEQ] = seq
             return False
@@ -209,7 +210,7 @@ class SharedSlots:
         layer, expert = key if key is not None else (EMPTY, EMPTY)
         self.table[slot, LAYER], self.table[slot, EXPERT] = layer, expert
         self._record(slot, stream)
-        _fence()  # release: blob and key are visible before the even number
+        fence()  # release: blob and key are visible before the even number
         seq = int(self.table[slot, SEQ]) + 1
         self.table[slot, SEQ] = seq
         return seq
@@ -234,9 +235,9 @@ class SharedSlots:
         """``(key, seq)`` of a stable state of ``slot``; key None while empty or being written."""
         while True:
             seq = int(self.table[slot, SEQ])
-            _fence()  # acquire: the key is read after the number
+            fence()  # acquire: the key is read after the number
             layer, expert = int(self.table[slot, LAYER]), int(self.table[slot, EXPERT])
-            _fence()
+            fence()
             if int(self.table[slot, SEQ]) == seq:
                 break
         if seq % 2 or layer == EMPTY:
@@ -245,7 +246,7 @@ class SharedSlots:
 
     def is_current(self, slot: int, seq: int) -> bool:
         """True while ``slot`` has not been claimed for a write since ``seq`` was read."""
-        _fence()
+        fence()
         return int(self.table[slot, SEQ]) == seq
 
     def wait_ready(self, slot: int, key: Key, seq: int = 0, timeout_s: float = 5.0) -> int:
@@ -275,7 +276,7 @@ class SharedSlots:
         while True:
             ready = self.wait_ready(slot, key, seq, max(deadline - time.monotonic(), 0.0))
             self.table[slot, PINS] += 1
-            _fence()  # the pin is visible before we re-read the number (Dekker with begin_write())
+            fence()  # the pin is visible before we re-read the number (Dekker with begin_write())
             if self.is_current(slot, ready):
                 self._wait_event(slot)
                 return ready
@@ -372,7 +373,7 @@ class _CudaSlots(SharedSlots):
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _fence() -> None:
+def fence() -> None:
     """A full memory barrier: a lock's acquire/release is an atomic read-modify-write that neither
     the CPU nor the C compiler moves loads or stores across (docs/wire.md, "Fences")."""
     _FENCE.acquire()
@@ -401,7 +402,8 @@ def _untrack(shm: SharedMemory) -> None:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
 
 
-def _open(name: str, size: int) -> SharedMemory:
+def open_shared(name: str, size: int) -> SharedMemory:
+    """Create a 0600 shared-memory segment of ``size`` bytes, untracked by multiprocessing (the owner unlinks it)."""
     try:
         shm = SharedMemory(name, create=True, size=max(size, 1))
     except FileExistsError:
@@ -450,7 +452,7 @@ def _close(shm: SharedMemory | None) -> None:
         log.warning("shared memory %s is still referenced; it stays mapped until those views die", shm.name)
 
 
-def _shm_unlink(name: str) -> bool:
+def shm_unlink(name: str) -> bool:
     """Unlink one segment; False when there is none (or it is another user's)."""
     if not name:
         return False
@@ -466,4 +468,4 @@ def _shm_unlink(name: str) -> bool:
 
 def _unlink_all(names: list[str]) -> None:
     for name in names:
-        _shm_unlink(name)
+        shm_unlink(name)

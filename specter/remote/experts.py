@@ -2,14 +2,14 @@
 
 ``RemoteExperts`` is ``OffloadedExperts`` whose initial residency is filled by the transfer actor
 (untimed copies through the ``RemoteLink``) instead of local copies. Its store is the transfer
-actor's, mapped read-only (``specter/experts/shared_store.py``) and read only by host compute.
+actor's, mapped read-only (``specter/remote/shared_store.py``) and read only by host compute.
 Everything else (policies, residency map, the MoE forward) is the in-process code, unchanged.
 """
 
 from __future__ import annotations
 
 from specter.experts.executor import OffloadedExperts
-from specter.experts.remote_link import RemoteLink
+from specter.remote.link import RemoteLink
 
 
 class RemoteExperts(OffloadedExperts):

@@ -23,7 +23,8 @@ from msgspec import Meta
 
 from specter.config import MIN_TEMPERATURE  # 0 is greedy; a smaller one overflows logits / T
 
-PROTOCOL_VERSION = 2  # 2: the actor messages (propose, fetch, promote, drop) and timing joined
+PROTOCOL_VERSION = 3  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
+# 3: verify, demand, done and cancel left (no component sent them)
 
 # Caps that a decoder enforces: a peer cannot make us allocate more than these.
 MAX_ID = 2**31 - 1  # layer, expert, token, round and step ids
@@ -39,7 +40,6 @@ MALFORMED, UNKNOWN, WRONG_VERSION = "malformed", "unknown", "wrong_version"
 
 Id = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Ids = Annotated[list[Id], Meta(max_length=MAX_LIST)]
-Tokens = Annotated[list[Id], Meta(max_length=MAX_TOKENS)]
 Score = Annotated[float, Meta(ge=0.0, le=MAX_SCORE)]
 Scores = Annotated[list[Score], Meta(max_length=MAX_LIST)]
 Name = Annotated[str, Meta(max_length=MAX_NAME)]
@@ -144,36 +144,6 @@ class DraftTokens(msgspec.Struct, frozen=True, array_like=True, tag="draft"):
     vocab_size: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
 
 
-class VerifyResult(msgspec.Struct, frozen=True, array_like=True, tag="verify"):
-    """The verifier's decision on a round. No component sends it yet (the fuzzer and the tests
-    do): it is the message a pipelined draft and a transfer-side schedule need (verifier → draft,
-    transfer).
-
-    Attributes:
-        round: the round decided.
-        accepted: draft tokens accepted (a prefix).
-        next_token: the correction or bonus token the target adds.
-        true_experts: per layer in ``layers``, the experts the verify pass used.
-        layers: MoE layer ids, in the order of ``true_experts``.
-    """
-
-    round: Id
-    accepted: Annotated[int, Meta(ge=0, le=MAX_WINDOW)]
-    next_token: Id
-    true_experts: Annotated[list[Ids], Meta(max_length=MAX_LIST)]
-    layers: Ids
-
-
-class DemandRequest(msgspec.Struct, frozen=True, array_like=True, tag="demand"):
-    """The verifier needs these experts of ``layer`` now and they are not in flight. No component
-    sends it yet (demand misses go as ``FetchExpert`` with priority 0); kept for a transfer-side
-    schedule (verifier → transfer)."""
-
-    round: Id
-    layer: Id
-    experts: Ids
-
-
 class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
     """Start generating for one prompt (verifier → draft: ``RemoteProposer.prefill``).
 
@@ -189,23 +159,6 @@ class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
     top_k: Annotated[int, Meta(ge=0, le=MAX_ID)] = 0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     window: Annotated[int, Meta(ge=0, le=MAX_WINDOW)] = 0
-
-
-class RequestDone(msgspec.Struct, frozen=True, array_like=True, tag="done"):
-    """A request finished; ``stats_json`` is a JSON object of its stats. No component sends it yet
-    (the driver gets results as Ray return values); kept for a streaming driver (verifier → driver)."""
-
-    request_id: Name
-    tokens: Tokens
-    stats_json: Text = "{}"
-
-
-class Cancel(msgspec.Struct, frozen=True, array_like=True, tag="cancel"):
-    """Round ``round`` was drafted on a prefix the verifier rejected: drop its plan deltas and its
-    queued prefetches. No component sends it yet: it is the pipelined draft's message (draft →
-    transfer, once a ``VerifyResult`` makes an optimistic round stale)."""
-
-    round: Id
 
 
 class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
@@ -283,11 +236,7 @@ Message = (
     | Welcome
     | PlanDelta
     | DraftTokens
-    | VerifyResult
-    | DemandRequest
     | StartRequest
-    | RequestDone
-    | Cancel
     | Shutdown
     | Error
     | ProposeRequest
@@ -301,11 +250,7 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Welcome,
     PlanDelta,
     DraftTokens,
-    VerifyResult,
-    DemandRequest,
     StartRequest,
-    RequestDone,
-    Cancel,
     Shutdown,
     Error,
     ProposeRequest,
@@ -377,12 +322,8 @@ def _check(msg: Message) -> None:
         _same_lengths("PlanDelta", msg.layers, msg.experts, msg.probs)
         if list(map(len, msg.experts)) != list(map(len, msg.probs)):
             raise ProtocolError("PlanDelta: an experts list and its probs differ in length")
-    elif isinstance(msg, VerifyResult):
-        _same_lengths("VerifyResult", msg.layers, msg.true_experts)
     elif isinstance(msg, DraftTokens):
         _check_draft(msg)
-    elif isinstance(msg, RequestDone):
-        _check_stats(msg.stats_json)
     elif isinstance(msg, StartRequest) and 0 < msg.temperature < MIN_TEMPERATURE:
         raise ProtocolError(f"StartRequest: temperature {msg.temperature} is neither 0 nor >= {MIN_TEMPERATURE}")
 
@@ -417,20 +358,9 @@ def _q_arrays(q: list[SparseProbs]) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(np.frombuffer(row.ids, dtype="<i4"), np.frombuffer(row.probs, dtype="<f4")) for row in q]
 
 
-def _check_stats(text: str) -> None:
-    try:
-        stats = msgspec.json.decode(text)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"RequestDone.stats_json is not JSON: {exc}") from None
-    if not isinstance(stats, dict):
-        raise ProtocolError("RequestDone.stats_json is not a JSON object")
-
-
 __all__ = [
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
-    "Cancel",
-    "DemandRequest",
     "DraftTokens",
     "DropFetch",
     "Error",
@@ -442,11 +372,9 @@ __all__ = [
     "PromoteFetch",
     "ProposeRequest",
     "ProtocolError",
-    "RequestDone",
     "Shutdown",
     "SparseProbs",
     "StartRequest",
-    "VerifyResult",
     "VersionMismatch",
     "Welcome",
     "check_version",

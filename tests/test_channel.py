@@ -23,7 +23,7 @@ from specter.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN,
     WRONG_VERSION,
-    Cancel,
+    DropFetch,
     Hello,
     PlanDelta,
     Shutdown,
@@ -149,8 +149,8 @@ def test_pair_handshake_in_process_then_messages(tmp_path: Path) -> None:
         hello = a.handshake("draft")
         other.join()
         assert hello is not None and hello.role == "verifier" and b.peer_hello is not None
-        a.send(Cancel(3))
-        assert b.recv(60) == Cancel(3)
+        a.send(DropFetch(3))
+        assert b.recv(60) == DropFetch(3)
         a.close()
         b.close()
 
@@ -159,15 +159,15 @@ def test_push_pull_handshake_and_timeouts() -> None:
     pull = Channel("pull", endpoint("tcp", 0), bind=True, peer="draft")
     push = Channel("push", pull.address, bind=False, peer="transfer")
     assert push.handshake("draft", 60) is None
-    push.send(Cancel(1))
+    push.send(DropFetch(1))
     hello = pull.handshake("transfer", 60)
     assert hello is not None and hello.role == "draft"
-    assert pull.recv(60) == Cancel(1)
+    assert pull.recv(60) == DropFetch(1)
     t0 = time.monotonic()
     assert pull.recv(0.05) is None
     assert time.monotonic() - t0 < 10.0  # it gave up (a hang would not)
     with pytest.raises(ChannelError, match="cannot send"):
-        pull.send(Cancel(1))
+        pull.send(DropFetch(1))
     push.close()
     pull.close()
 
@@ -181,7 +181,7 @@ def test_silent_peer_times_out_with_peer_and_endpoint_named(tmp_path: Path) -> N
             ch.close()
         lonely = Channel("push", ipc.endpoint("nobody"), bind=True, peer="nobody")
         with pytest.raises(ChannelTimeout, match="nobody"):
-            lonely.send(Cancel(1), timeout_s=0.1)
+            lonely.send(DropFetch(1), timeout_s=0.1)
         lonely.close()
 
 
@@ -280,9 +280,9 @@ def test_drop_logging_is_rate_limited(tmp_path: Path, caplog: pytest.LogCaptureF
         raw.connect(ch.address)
         for _ in range(50):
             raw.send(msgpack.packb(["no-such-tag"]))
-        raw.send(encode(Cancel(9)))
+        raw.send(encode(DropFetch(9)))
         with caplog.at_level("WARNING", logger="specter.remote.channel"):
-            assert ch.recv(5) == Cancel(9)
+            assert ch.recv(5) == DropFetch(9)
         assert ch.dropped[UNKNOWN] == 50
         assert len([r for r in caplog.records if "dropped" in r.message]) == 1
         raw.close(linger=0)

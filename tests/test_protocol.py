@@ -27,12 +27,8 @@ SAMPLES: list[P.Message] = [
     P.PlanDelta(3, 1, [0, 2], [[1, 5], [7, 0]], [[0.75, 0.25], [0.5, 0.5]]),
     P.DraftTokens(3, [7, 41]),
     P.DraftTokens(4, [3, 7], [_q_row(), _q_row()], 50),
-    P.VerifyResult(3, 1, 42, [[1, 5, 6], [0, 7]], [0, 2]),
-    P.DemandRequest(3, 2, [6, 1]),
     P.StartRequest("req-1", [1, 2, 3], 16, 0.7, 0.9, 40, 1234, 4),
     P.StartRequest("req-2", [9], 8),
-    P.RequestDone("req-1", [4, 5], '{"tpot_s": 0.01}'),
-    P.Cancel(2),
     P.Shutdown("bye"),
     P.Error("verifier.layer3", "expert (3, 5) missing"),
     P.ProposeRequest(3, 10, [5, 6], 4, True),
@@ -80,11 +76,11 @@ def test_plain_msgpack_layout_by_hand() -> None:
 
 
 def test_a_plain_msgpack_peer_can_write_messages() -> None:
-    assert P.decode(msgpack.packb(["demand", 1, 2, [3]])) == P.DemandRequest(1, 2, [3])
+    assert P.decode(msgpack.packb(["drop", 3])) == P.DropFetch(3)
     assert P.decode(msgpack.packb(["fetch", 1, 2, 3, 4, 1])) == P.FetchExpert(1, 2, 3, 4, 1, True)
     assert P.decode(msgpack.packb(["propose", 1, 2, [3], 4])) == P.ProposeRequest(1, 2, [3], 4, False)
     # trailing fields a newer peer appended are ignored; missing defaulted ones take defaults
-    assert P.decode(msgpack.packb(["cancel", 5, "new-field"])) == P.Cancel(5)
+    assert P.decode(msgpack.packb(["promote", 5, "new-field"])) == P.PromoteFetch(5)
     assert P.decode(msgpack.packb(["start", "r", [1], 4])) == P.StartRequest("r", [1], 4)
 
 
@@ -97,29 +93,26 @@ def test_sparse_probs_round_trip_dense() -> None:
 BAD = {
     "negative layer": ["plan", 0, 0, [-1], [[1]], [[1.0]]],
     "negative expert": ["plan", 0, 0, [1], [[-3]], [[1.0]]],
-    "id too large": ["demand", 0, 1, [2**31]],
+    "id too large": ["plan", 0, 1, [2**31], [[1]], [[1.0]]],
     "NaN weight": ["plan", 0, 0, [1], [[1]], [[float("nan")]]],
     "inf weight": ["plan", 0, 0, [1], [[1]], [[float("inf")]]],
     "ragged plan": ["plan", 0, 0, [1, 2], [[1]], [[1.0]]],
     "ragged experts/probs": ["plan", 0, 0, [1], [[1, 2]], [[1.0]]],
-    "ragged verify": ["verify", 0, 0, 1, [[1]], [0, 1]],
-    "bool as int": ["cancel", True],
-    "float as int": ["cancel", 1.5],
-    "string as list": ["demand", 0, 1, "abc"],
+    "bool as int": ["drop", True],
+    "float as int": ["drop", 1.5],
+    "string as list": ["plan", 0, 1, "abc", [[1]], [[1.0]]],
     "empty prompt": ["start", "r", [], 4],
     "top_p zero": ["start", "r", [1], 4, 1.0, 0.0],
     "temperature denormal": ["start", "r", [1], 4, 5e-324],  # 0 in float32: logits / 0
     "temperature tiny": ["start", "r", [1], 4, 1e-9],  # overflows float32 logits
-    "too many ids": ["demand", 0, 1, [0] * (P.MAX_LIST + 1)],
-    "missing field": ["demand", 0, 1],
+    "too many ids": ["plan", 0, 1, [0] * (P.MAX_LIST + 1), [[1]], [[1.0]]],
+    "missing field": ["plan", 0, 1, [1], [[1]]],
     "q rows != tokens": ["draft", 0, [1, 2], [[b"\0\0\0\0", b"\0\0\x80?"]], 10],
     "q id out of vocab": ["draft", 0, [1], [[b"\x0b\0\0\0", b"\0\0\x80?"]], 10],
     "q prob > 1": ["draft", 0, [1], [[b"\1\0\0\0", b"\0\0\0@"]], 10],
     "q odd bytes": ["draft", 0, [1], [[b"\1\0\0", b"\0\0\x80"]], 10],
     "token out of vocab": ["draft", 0, [10], [[b"\1\0\0\0", b"\0\0\x80?"]], 10],
-    "stats not JSON": ["done", "r", [1], "{oops"],
-    "stats not object": ["done", "r", [1], "[1]"],
-    "map not array": {"tag": "cancel", "round": 1},
+    "map not array": {"tag": "drop", "id": 1},
     "empty array": [],
     "tag not string": [7, 1],
     "fetch negative id": ["fetch", -1, 0, 0, 0, 0],
@@ -151,7 +144,7 @@ def test_unknown_tag_and_oversize_frame() -> None:
         P.decode(msgpack.packb(["teleport", 1]))
     assert info.value.reason == P.UNKNOWN
     with pytest.raises(P.ProtocolError, match="exceeds the cap"):
-        P.decode(P.encode(P.Cancel(1)), max_bytes=2)
+        P.decode(P.encode(P.DropFetch(1)), max_bytes=2)
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
@@ -178,13 +171,14 @@ def test_every_type_with_a_changed_tag_is_unknown(msg: P.Message) -> None:
     assert info.value.reason == P.UNKNOWN
 
 
-def test_version_is_2_and_checked_both_ways() -> None:
-    assert P.PROTOCOL_VERSION == 2  # bumped when the actor messages joined (docs/wire.md)
-    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft")):
+def test_version_is_3_and_checked_both_ways() -> None:
+    assert P.PROTOCOL_VERSION == 3  # bumped when four unsent messages left (docs/wire.md)
+    assert not {"verify", "demand", "done", "cancel"} & P.TAGS
+    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft"), P.Hello(2, "transfer", 4)):
         assert P.decode(P.encode(old)) == old  # any version's Hello/Welcome still decodes...
         with pytest.raises(P.VersionMismatch) as info:  # ...and is refused by the version check
             P.check_version(old)
-        assert info.value.reason == P.WRONG_VERSION and "speaks version 1" in str(info.value)
+        assert info.value.reason == P.WRONG_VERSION and f"speaks version {old.version}" in str(info.value)
 
 
 def test_check_version() -> None:
@@ -231,7 +225,7 @@ def _huge_lengths(rng: random.Random) -> bytes:
     header = rng.choice([b"\xdd", b"\xdc", b"\xdb", b"\xc6", b"\xdf"])  # array32/16, str32, bin32, map32
     size = rng.choice([2**32 - 1, 2**31, 65535, 10**9]) % (1 << (16 if header == b"\xdc" else 32))
     body = size.to_bytes(2 if header == b"\xdc" else 4, "big")
-    return rng.choice([b"", b"\x92\xa6demand"]) + header + body + rng.randbytes(rng.randrange(0, 16))
+    return rng.choice([b"", b"\x92\xa4plan"]) + header + body + rng.randbytes(rng.randrange(0, 16))
 
 
 def _unknown_tag(rng: random.Random) -> bytes:
@@ -245,8 +239,8 @@ def _out_of_range(rng: random.Random) -> bytes:
             [
                 ["plan", 0, 0, [bad], [[1]], [[0.5]]],
                 ["plan", 0, 0, [1], [[bad]], [[0.5]]],
-                ["demand", bad, 1, [2]],
-                ["verify", 0, 0, bad, [[1]], [1]],
+                ["plan", bad, 0, [1], [[1]], [[0.5]]],
+                ["draft", bad, [1]],
                 ["draft", 0, [bad]],
                 ["hello", bad, "draft", 1],
                 ["fetch", bad, 0, 0, 0, 0],

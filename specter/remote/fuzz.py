@@ -134,7 +134,7 @@ class FrameFuzzer:
              ["fetch", 0, 0, 0, bad, 1], ["fetch", 0, 0, 0, 0, bad], ["promote", bad], ["drop", bad],
              ["propose", bad, 0, [1], 2], ["propose", 0, bad, [1], 2], ["propose", 0, 0, [bad], 2],
              ["propose", 0, 0, [1], bad], ["start", "r", [bad], 4], ["plan", bad, 0, [1], [[1]], [[0.5]]],
-             ["verify", 0, bad, 1, [[1]], [1]], ["demand", bad, 1, [2]], ["cancel", bad]]
+             ["plan", 0, bad, [1], [[1]], [[0.5]]], ["plan", 0, 0, [bad], [[1]], [[0.5]]], ["draft", bad, [1]]]
         )
         return [msgpack.packb(raw)]
 
@@ -180,8 +180,7 @@ class FrameFuzzer:
         others: list[P.Message] = [
             P.Hello(P.PROTOCOL_VERSION, "fuzz", 1), P.Welcome(P.PROTOCOL_VERSION, "fuzz"),
             P.PlanDelta(self.rng.randrange(P.MAX_ID), 0, [1], [[2]], [[0.5]]), P.DraftTokens(3, [1, 2]),
-            P.VerifyResult(1, 0, 1, [[1]], [1]), P.DemandRequest(1, 1, [1]), P.RequestDone("r", [1]),
-            P.Cancel(4), P.Error("fuzz", "not really"),
+            P.Shutdown("not really"), P.Error("fuzz", "not really"),
         ]
         if self.t.role == "transfer":
             others += [P.StartRequest("r", [1], 1), P.ProposeRequest(0, 0, [1], 1), P.LinkTiming(True)]
@@ -198,8 +197,8 @@ class FrameFuzzer:
             P.FetchExpert(ID_FLOOR, 1, 2, 3, 1), P.PromoteFetch(ID_FLOOR), P.DropFetch(ID_FLOOR + 1),
             P.ProposeRequest(3, 1, [5, 6], 4, True), P.StartRequest("r", [1, 2, 3], 8),
             P.PlanDelta(3, 1, [0, 2], [[1, 5], [7, 0]], [[0.75, 0.25], [0.5, 0.5]]),
-            P.VerifyResult(3, 1, 42, [[1, 5, 6], [0, 7]], [0, 2]), P.Hello(P.PROTOCOL_VERSION, "fuzz", 7),
-            P.DraftTokens(4, [3, 7]), P.Cancel(2), P.LinkTiming(True),
+            P.Hello(P.PROTOCOL_VERSION, "fuzz", 7), P.DraftTokens(4, [3, 7]), P.Shutdown("fuzz"),
+            P.LinkTiming(True),
         ]
 
     def _stray_request(self) -> P.Message:

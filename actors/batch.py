@@ -22,7 +22,7 @@ import ray
 from actors.launcher import EngineHandle, launch
 from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
-from specter.jobs import BatchItem, Progress, ResultsFile, append_error
+from specter.eval.jobs import BatchItem, Progress, ResultsFile, append_error
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 For each (role, how) in {transfer, draft, verifier} x {ray.kill, SIGKILL} it runs a batch of the
 shipped held-out prompts through one replica, kills replica r0's ``role`` actor once its verifier
-is inside the second request with tokens committed (``actors.faults.KillInRequest``: tied to the
+is inside the second request with tokens committed (``tests.actors.faults.KillInRequest``: tied to the
 replica's state, not to a clock), and compares the results file with a fault-free run of the same
 prompts: same ids, each exactly once, same tokens, and the kill seen inside the request. The second
 prompt asks for ``--long-tokens`` so that a kill fired inside it lands inside it. One line per drill.
@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.batch import BatchOptions, run_batch  # noqa: E402
 from actors.cluster import start_local  # noqa: E402
-from actors.faults import KillInRequest  # noqa: E402
 from specter.assets import ASSETS  # noqa: E402
 from specter.config import LinkConfig, SlotConfig  # noqa: E402
-from specter.jobs import BatchItem, ResultsFile, errors_path  # noqa: E402
-from specter.prompts import HELDOUT, read_jsonl  # noqa: E402
+from specter.eval.jobs import BatchItem, ResultsFile, errors_path  # noqa: E402
+from specter.eval.prompts import HELDOUT, read_jsonl  # noqa: E402
 from specter.target import load_tokenizer  # noqa: E402
+from tests.actors.faults import KillInRequest  # noqa: E402
 
 
 def main() -> int:

@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from specter.fidelity import (
+from specter.eval.fidelity import (
     WINDOWS,
     awq_verdict,
-    greedy_continuation,
     logit_error_on_text,
     markdown_table,
     measure_acceptance,
@@ -42,6 +41,7 @@ from specter.fidelity import (
     target_pass,
     verdict_line,
 )
+from specter.models.greedy import greedy_continuation
 
 METHODS = ("rtn", "awq", "int8", "fp")  # fp: the target itself as its own draft (a ceiling check)
 _T0 = time.perf_counter()
@@ -118,7 +118,7 @@ def held_out_prompts(model_dir: Path, vocab: int, args: argparse.Namespace) -> t
         return ids, f"{len(ids)} prompts from {args.prompt_ids}"
     if not has_tokenizer(model_dir):
         raise SystemExit(f"--model: {model_dir} has no tokenizer; give --random-prompts N or --prompt-ids FILE")
-    from specter.prompts import HELDOUT, load_prompts
+    from specter.eval.prompts import HELDOUT, load_prompts
 
     ids = load_prompts(model_dir, args.prompts, args.num_prompts)
     source = Path(args.prompts or HELDOUT).resolve()
@@ -139,7 +139,7 @@ def calibration_text(model_dir: Path, vocab: int, args: argparse.Namespace) -> l
     ids = calibration(model_dir, vocab, args)
     if ids is not None:
         return ids
-    from specter.draft.calibrate import calibration_ids
+    from specter.draft.quantize.calibrate import calibration_ids
 
     return calibration_ids(model_dir, None, args.calib_tokens) or []
 
@@ -150,8 +150,8 @@ def make_draft(model_dir: Path, method: str, work: Path, args: argparse.Namespac
         from specter.draft.resident import ResidentDraft
 
         return ResidentDraft(model_dir), {"method": "fp"}
-    from specter.draft.calibrate import GenerationSpec
-    from specter.draft.quantize import QUANTIZER_VERSION, REPORT, quantize_model
+    from specter.draft.quantize.calibrate import GenerationSpec
+    from specter.draft.quantize.model import QUANTIZER_VERSION, REPORT, quantize_model
     from specter.draft.runner import DraftModel
 
     def load_draft(folder: Path) -> DraftModel:
@@ -307,7 +307,7 @@ def error_table(result: dict[str, Any]) -> str:
 
 def delta_table(verdict: dict[str, Any]) -> str:
     """AWQ − RTN per measure with its paired-bootstrap 95 % interval over prompts."""
-    from specter.fidelity import header
+    from specter.eval.fidelity import header
 
     if not verdict.get("delta_awq_minus_rtn"):
         return "(no AWQ − RTN differences: needs both methods)"
@@ -373,7 +373,7 @@ def model_section(result: dict[str, Any]) -> str:
 DOC_HEAD = """# Draft fidelity: RTN int4, AWQ int4 and int8 drafts
 
 Written by `scripts/fidelity.py` (issue 3, point 5). How closely does a draft — the target
-with its routed experts quantized (`specter.draft.quantize.quantize_model`) — follow the
+with its routed experts quantized (`specter.draft.quantize.model.quantize_model`) — follow the
 target, on held-out prompts?
 
 Both models run **teacher-forced** over the same sequence: the prompt plus the target's own
@@ -413,7 +413,7 @@ output error) measures the drafts' closeness to the target directly.
 
 
 def write_doc(path: Path, results: list[dict[str, Any]], command: str, args: argparse.Namespace) -> None:
-    from specter.draft.calibrate import GenerationSpec
+    from specter.draft.quantize.calibrate import GenerationSpec
 
     g = GenerationSpec(windows=args.calib_generate)
     self_generated = (

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from specter import bench
 from specter.assets import DEFAULT_MODEL
+from specter.eval import bench
+from specter.eval.prompts import load_prompts
 from specter.plan import adapts
 from specter.profiles import GB, PROFILES, TFLOPS, Host
-from specter.prompts import load_prompts
 
 # Host→device links, pinned copies as achieved in practice (docs/profiles.md).
 LINKS = {

@@ -17,7 +17,7 @@ import torch
 
 from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads, parse_bytes
-from specter.draft.cli import add_quantize_command, positive_int, run_quantize
+from specter.draft.quantize.cli import add_quantize_command, positive_int, run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
 
@@ -289,9 +289,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
-    from specter import bench
+    from specter.eval import bench
+    from specter.eval.prompts import load_prompts
     from specter.profiles import PROFILES
-    from specter.prompts import load_prompts
 
     profiles = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in profiles if p not in PROFILES]
@@ -426,9 +426,9 @@ def _eos(model: str) -> int | None:
 
 def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
-    from specter.bench import FIXED_DRAFT_MODE
     from specter.draft.loading import load_draft
     from specter.engine import Engine
+    from specter.eval.bench import FIXED_DRAFT_MODE
     from specter.target import MemoryRequest, OffloadedTarget
 
     mode = "auto" if timing.clock == "wall" else FIXED_DRAFT_MODE  # timed choices would vary the tokens
@@ -475,7 +475,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import ray
 
     from specter.draft.loading import check_draft_matches
-    from specter.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
+    from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
     from specter.models.checkpoint import read_config_dict, resolve_model_dir
     from specter.target import load_tokenizer
 

@@ -21,14 +21,25 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from specter.costs import CostModel
-    from specter.proposer import Routing
+    from specter.models.routing import Routing
 
 CLOCKS = ("wall", "virtual", "measured")
 SPIN_S = 5e-4  # the wall clock stops sleeping this long before a deadline and yields instead
+
+
+class Costs(Protocol):
+    """What the virtual clock charges compute by (``specter.costs.CostModel``)."""
+
+    def dense_s(self, positions: int, context: int) -> float: ...
+
+    def expert_s(self, tokens: int) -> float: ...
+
+    def draft_s(self, routing: Routing, positions: int, context: int) -> float: ...
+
+    def describe(self) -> str: ...
 
 
 class WallClock:
@@ -80,7 +91,7 @@ class VirtualClock(WallClock):
 
     virtual = True
 
-    def __init__(self, costs: CostModel | None = None):
+    def __init__(self, costs: Costs | None = None):
         self.costs = costs
         self.name = "virtual" if costs is not None else "measured"
         self._t = 0.0
@@ -131,7 +142,7 @@ class VirtualClock(WallClock):
         return f"virtual ({self.costs.describe()})" if self.costs is not None else "measured (virtual link and host)"
 
 
-def make_clock(name: str, costs: CostModel | None = None) -> WallClock:
+def make_clock(name: str, costs: Costs | None = None) -> WallClock:
     """``wall`` | ``virtual`` (needs ``costs``) | ``measured``."""
     if name == "wall":
         return WallClock()

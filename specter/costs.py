@@ -18,7 +18,7 @@ from specter.config import HostConfig, LinkConfig
 from specter.profiles import Profile
 
 if TYPE_CHECKING:
-    from specter.proposer import Routing
+    from specter.models.routing import Routing
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def resolve_timing(
         costs = model_costs(model, real)
         chosen = link or costs.link(rho)
         return Timing(clock, chosen, costs.host(), costs, profile, costs.rho(chosen))
-    from specter.bench import bytes_per_token, resident_step_s
+    from specter.eval.bench import bytes_per_token, resident_step_s
 
     if step_s is None:
         step_s, per_token = resident_step_s(model, [0, 1, 2, 3])

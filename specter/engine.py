@@ -15,7 +15,8 @@ from specter.bound import Trace, lower_bound
 from specter.config import SamplingConfig
 from specter.costs import CostModel
 from specter.draft.loading import check_draft_matches
-from specter.proposer import Draft, LocalProposer, Proposer, Routing
+from specter.models.routing import Routing
+from specter.proposer import Draft, LocalProposer, Proposer
 from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache

@@ -16,11 +16,11 @@ from transformers import DynamicCache
 
 from specter.clock import WallClock
 from specter.config import SamplingConfig
+from specter.models.routing import Routing
 from specter.protocol import PlanDelta
 from specter.target import crop_cache
 from specter.verify.sampling import probabilities
 
-Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
 OnPlan = Callable[[PlanDelta], None]
 _SEED_MIX = 0x5851F42D4C957F2D  # draft sampling uses its own generator, seeded apart from the verifier's
 

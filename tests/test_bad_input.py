@@ -101,7 +101,7 @@ def test_draft_that_does_not_match_the_target_is_refused(tiny_dir, tmp_path, fie
 
 
 def test_malformed_prompt_lines_are_reported_with_their_line_number(tmp_path):
-    from specter.prompts import read_jsonl
+    from specter.eval.prompts import read_jsonl
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "a", "prompt": "def f():"}\n\n{"id": "b", "prompt": 3}\n')

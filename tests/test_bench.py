@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specter import bench
+from specter.eval import bench
 from specter.profiles import PROFILES
 
 

@@ -13,10 +13,9 @@ from tiny_models import save_tiny
 from transformers import AutoModelForCausalLM
 
 from specter.draft.resident import ResidentDraft
-from specter.fidelity import (
+from specter.eval.fidelity import (
     FidelityTally,
     awq_verdict,
-    greedy_continuation,
     measure_teacher_forced,
     merge,
     row_measures,
@@ -24,6 +23,7 @@ from specter.fidelity import (
     target_pass,
     window_recall,
 )
+from specter.models.greedy import greedy_continuation
 from specter.models.routing import RoutingRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_draft_equal_to_target_agrees_everywhere_and_another_model_does_not(targ
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("fidelity_script", ROOT / "scripts" / "fidelity.py")
+    spec = importlib.util.spec_from_file_location("fidelity_script", ROOT / "scripts" / "eval/fidelity.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specter.jobs import (
+from specter.eval.jobs import (
     BatchLineError,
     Progress,
     ResultsFile,

@@ -10,8 +10,8 @@ from specter.assets import ASSETS
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.engine import Engine
+from specter.eval.prompts import load_prompts
 from specter.models.checkpoint import read_config_dict
-from specter.prompts import load_prompts
 from specter.target import OffloadedTarget
 
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specter.draft.pack import pack_int32, unpack_int32
-from specter.draft.qweight import QuantWeight
+from specter.draft.format.pack import pack_int32, unpack_int32
+from specter.draft.format.qweight import QuantWeight
 from specter.experts.slots import Key
 
 log = logging.getLogger(__name__)

@@ -17,15 +17,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specter.draft.format.pack import AWQ_SCALE, PACKED_SUFFIXES, bits_for, read_weight
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
-from specter.draft.pack import AWQ_SCALE, PACKED_SUFFIXES, bits_for, read_weight
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.loader import LoadedModel, build_dense
-from specter.models.routing import router_modules
+from specter.models.routing import Routing, router_modules
 
 log = logging.getLogger(__name__)
 
-Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass

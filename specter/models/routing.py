@@ -6,6 +6,9 @@ from typing import Any
 
 import torch
 
+# layer → (top-k expert ids (T, k), their router probabilities (T, k)) of one forward
+Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
 _ROUTER_NAMES = ("gate", "router")
 
 

@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from specter.experts.link import PREFETCH
-from specter.experts.slots import Key
+from specter.clock import WallClock
+from specter.experts.host import HostCompute
+from specter.experts.link import PREFETCH, Link, Transfer
+from specter.experts.slots import ChooseVictim, Key, SlotPool
+from specter.experts.store import ExpertStore
 from specter.plan.window import WindowChooser
 from specter.protocol import PlanDelta
 
-if TYPE_CHECKING:
-    from specter.experts.executor import OffloadedExperts
+
+class Offload(Protocol):
+    """What a policy sees of a target's offloaded experts (``OffloadedExperts`` in
+    ``specter/experts/executor.py``, which imports this module, not the other way round): the
+    host store, the slot pool, the link, the clock and host, and two actions."""
+
+    store: ExpertStore
+    pool: SlotPool
+    link: Link
+    clock: WallClock
+    host: HostCompute | None
+
+    def fetch(
+        self, key: Key, priority: int, protect: set[Key], choose: ChooseVictim | None = None
+    ) -> Transfer | None:
+        """Start moving ``key`` into a slot; None when no slot can be freed right now."""
+
+    def cancel(self, key: Key) -> bool:
+        """Drop a queued (not started) transfer of ``key`` and free its slot."""
 
 
 class Policy:
@@ -31,7 +51,7 @@ class Policy:
     adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
 
     def __init__(self) -> None:
-        self.offload: OffloadedExperts | None = None
+        self.offload: Offload | None = None
         self.window = 0
         self._chooser: WindowChooser | None = None
 
@@ -44,7 +64,7 @@ class Policy:
             self._chooser = WindowChooser(route_last=self.route_last_draft)
         return self._chooser
 
-    def bind(self, offload: OffloadedExperts) -> None:
+    def bind(self, offload: Offload) -> None:
         """Called once when the policy is attached to a target's experts."""
         self.offload = offload
 

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from specter.experts.link import PREFETCH
 from specter.experts.slots import Key
-
-if TYPE_CHECKING:
-    from specter.experts.executor import OffloadedExperts
+from specter.plan.base import Offload
 
 NEVER = float("inf")
 
 
-def slots_per_layer(offload: OffloadedExperts) -> int:
+def slots_per_layer(offload: Offload) -> int:
     """M: how many experts of one layer can be resident at once (per-layer groups or an even share)."""
     layers = offload.store.layers
     if offload.pool.per_layer:
@@ -24,7 +21,7 @@ def slots_per_layer(offload: OffloadedExperts) -> int:
 
 
 def prefetch(
-    offload: OffloadedExperts, keys: Iterable[Key], protect: set[Key], next_use: Callable[[Key], float] | None = None,
+    offload: Offload, keys: Iterable[Key], protect: set[Key], next_use: Callable[[Key], float] | None = None,
 ) -> list[Key]:
     """Start moving ``keys`` (most urgent first) that are not resident; returns those issued.
 
@@ -67,6 +64,6 @@ def _fixed(victim: Key | None) -> Callable[[list[Key]], Key]:
     return choose
 
 
-def cancel_queued(offload: OffloadedExperts, keys: Iterable[Key]) -> int:
+def cancel_queued(offload: Offload, keys: Iterable[Key]) -> int:
     """Cancel prefetches of ``keys`` that have not started moving; returns how many."""
     return sum(offload.cancel(key) for key in list(keys))

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from faults import KillInRequest
 from transformers import AutoModelForCausalLM
 
 from actors.batch import BatchOptions, run_batch
-from actors.faults import KillInRequest
 from actors.launcher import launch
 from specter.config import LinkConfig, SlotConfig
-from specter.jobs import BatchItem, ResultsFile, errors_path
+from specter.eval.jobs import BatchItem, ResultsFile, errors_path
 
 LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 NEW = 8

@@ -21,7 +21,7 @@ from actors.batch import BatchOptions, run_batch
 from actors.cluster import start_local
 from actors.metrics import METRICS
 from specter.config import LinkConfig, SlotConfig
-from specter.jobs import BatchItem, ResultsFile
+from specter.eval.jobs import BatchItem, ResultsFile
 
 NEW = 8
 LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")

@@ -10,7 +10,7 @@ import torch
 from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM, MixtralConfig
 
-from specter.draft.quantize import quantize_model
+from specter.draft.quantize.model import quantize_model
 
 # Hidden 64 and expert intermediate 32: every projection fits torch's CPU int4 kernel
 # (output dim a multiple of 16, group 32 or 64).

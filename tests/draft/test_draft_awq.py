@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specter.draft.awq import (
+from specter.draft.format.qweight import choose_group_size, quantize_weight
+from specter.draft.quantize.awq import (
     ExpertLoss,
     QuantSpec,
     apply_clip,
@@ -14,8 +15,7 @@ from specter.draft.awq import (
     quantize_experts,
     search_scale,
 )
-from specter.draft.clip import clip_ratios, search_clip
-from specter.draft.qweight import choose_group_size, quantize_weight
+from specter.draft.quantize.clip import clip_ratios, search_clip
 
 
 def _acts(gen: torch.Generator, n: int, outliers: bool) -> torch.Tensor:

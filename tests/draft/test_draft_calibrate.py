@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specter.draft.calibrate import (
+from specter.draft.quantize.calibrate import (
     GenerationSpec,
     calibration_ids,
     prompt_windows,
     record_expert_inputs,
 )
-from specter.fidelity import greedy_continuation
+from specter.models.greedy import greedy_continuation
 from specter.models.loader import build_dense, load_store
 
 SHIPPED = Path(__file__).resolve().parents[2] / "specter" / "assets" / "moe-coarse"

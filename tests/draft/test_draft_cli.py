@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specter.draft.cli import add_quantize_command, run_quantize
+from specter.draft.quantize.cli import add_quantize_command, run_quantize
 from specter.draft.runner import DraftModel
 
 WORDS = [f"w{i}" for i in range(127)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specter.draft.format.qweight import quantize_weight
 from specter.draft.kernels import ExpertKernels, choose_mode, kernel_accepts, time_modes
-from specter.draft.qweight import quantize_weight
 from specter.draft.runner import DraftModel
 
 CPU = torch.device("cpu")

@@ -11,9 +11,9 @@ from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
-from specter.draft.calibrate import GenerationSpec
 from specter.draft.kernels import ExpertKernels
-from specter.draft.quantize import quantize_model
+from specter.draft.quantize.calibrate import GenerationSpec
+from specter.draft.quantize.model import quantize_model
 from specter.draft.runner import DraftExperts, DraftModel, read_experts
 from specter.models.checkpoint import CheckpointError
 from specter.models.routing import router_modules

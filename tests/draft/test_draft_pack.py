@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specter.draft.pack import (
+from specter.draft.format.pack import (
     AWQ_SCALE,
     bits_for,
     pack_int32,
@@ -16,7 +16,7 @@ from specter.draft.pack import (
     unpack_int32,
     weight_tensors,
 )
-from specter.draft.qweight import quantize_weight
+from specter.draft.format.qweight import quantize_weight
 from specter.models.checkpoint import Checkpoint
 
 

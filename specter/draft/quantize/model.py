@@ -4,7 +4,7 @@ Steps: build the target the way Specter runs it (dense parts + one host store of
 record each expert's calibration inputs, then quantize layer by layer and write
 
 * ``model.safetensors`` — every dense tensor copied unchanged (disk names, disk dtype) plus the
-  packed experts (see ``specter.draft.pack``);
+  packed experts (see ``specter.draft.format.pack``);
 * ``config.json`` — the target's, plus ``quantization_config`` (compressed-tensors) and a small
   ``specter_draft`` block;
 * tokenizer and generation files, copied;
@@ -27,15 +27,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specter.draft.awq import QuantExpert, QuantSpec, quantize_expert
-from specter.draft.calibrate import (
+from specter.draft.format.pack import AWQ_SCALE, quantization_config, weight_tensors
+from specter.draft.quantize.awq import QuantExpert, QuantSpec, quantize_expert
+from specter.draft.quantize.calibrate import (
     NO_GENERATION,
     CalibrationRecorder,
     GenerationSpec,
     calibration_ids,
     record_expert_inputs,
 )
-from specter.draft.pack import AWQ_SCALE, quantization_config, weight_tensors
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense, load_store
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specter.draft.qweight import QuantWeight
+from specter.draft.format.qweight import QuantWeight
 
 AWQ_SCALE = "weight_awq_scale"
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")

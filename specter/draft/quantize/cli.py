@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specter.draft.awq import METHODS
+from specter.draft.quantize.awq import METHODS
 from specter.models.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 def run_quantize(args: argparse.Namespace) -> int:
     """Run ``specter quantize``; returns the process exit status."""
-    from specter.draft.calibrate import GenerationSpec
-    from specter.draft.quantize import quantize_model
+    from specter.draft.quantize.calibrate import GenerationSpec
+    from specter.draft.quantize.model import quantize_model
 
     if not Path(args.model).expanduser().exists():
         return _fail(f"model folder {args.model!r} does not exist")

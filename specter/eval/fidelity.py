@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+from specter.models.routing import Routing
+
 WINDOWS = (1, 2, 4, 8, 16)
 
 
@@ -193,19 +194,6 @@ def draft_pass(draft: TeacherForced, ids: Sequence[int]) -> tuple[torch.Tensor, 
 
 
 @torch.inference_mode()
-def greedy_continuation(model: Any, prompt: Sequence[int], new_tokens: int) -> list[int]:
-    """The target's own greedy continuation of ``prompt`` (exactly ``new_tokens`` tokens, EOS ignored)."""
-    out = model.generate(
-        torch.tensor([list(prompt)], device=model.device),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, len(prompt):].tolist()]
-
-
 def measure_teacher_forced(
     draft: TeacherForced,
     sequences: Iterable[tuple[list[int], int, torch.Tensor, Routing]],

@@ -333,6 +333,6 @@ def save(results: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
     path.write_text(json.dumps(results, indent=1))
-    from specter.bench_plots import plot_all
+    from specter.eval.plots import plot_all
 
     return [path, *plot_all(results, out_dir)]

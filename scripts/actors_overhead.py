@@ -1,4 +1,4 @@
-"""Actors vs in-process TPOT on one checkpoint: ``python -m actors.overhead MODEL [DRAFT]``.
+"""Actors vs in-process TPOT on one checkpoint: ``python -m scripts.actors_overhead MODEL [DRAFT]``.
 
 A first look at the plan plane's cost (docs/actors.md), until the benchmark has an actors column.
 Prints one JSON object: median TPOT (seconds) per (mode, policy).

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specter.experts.store import ExpertStore
-from specter.fidelity import greedy_continuation
+from specter.models.greedy import greedy_continuation
 from specter.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ tokens gives the expert's output. Two searches, as in the AWQ paper and AutoAWQ:
    (``y = Q(W·s) (x / s)``). Candidates: ``s = mean(|x|)^α`` and the "duo" form
    ``s = mean(|x|)^α / mean(|Ŵ|)^(1-α)`` (``Ŵ``: each weight over its group's max magnitude),
    α on a grid in [0, 1]; no scale at all (RTN) is always a candidate.
-2. **Clipping** (``specter.draft.clip``): per (output row, group), the quantization range is
+2. **Clipping** (``specter.draft.quantize.clip``): per (output row, group), the quantization range is
    shrunk to ``r·[min, max]`` with ``r`` from 1.0 down to 0.5, whichever gives that row's
    output on the recorded inputs the lowest error.
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specter.draft.clip import clip_ratios, search_clip
-from specter.draft.qweight import QuantWeight, choose_group_size, quantize_weight
+from specter.draft.format.qweight import QuantWeight, choose_group_size, quantize_weight
+from specter.draft.quantize.clip import clip_ratios, search_clip
 
 log = logging.getLogger(__name__)
 

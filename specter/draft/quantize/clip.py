@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.draft.qweight import quantize_weight
+from specter.draft.format.qweight import quantize_weight
 
 
 def clip_ratios(grid: int, lowest: float) -> list[float]:

@@ -173,7 +173,7 @@ class VerifierActor:
         parts); in-flight transfers of the old pool land first so that none overwrites a new slot."""
         if self.target is not None:
             old = self.target.offload
-            for key in list(old.pool.loading):
+            for key in old.pool.loading_keys():
                 old.wait(key)
         loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
         self._loaded = None

@@ -34,9 +34,9 @@ class _Tally:
     drafted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    hit: int = 0
-    predicted: int = 0
-    true: int = 0
+    predicted_used: int = 0  # experts the draft predicted that the verify pass used, summed over layers
+    predicted: int = 0  # experts the draft predicted
+    used: int = 0  # experts the verify pass used
     windows: list[int] = field(default_factory=list)  # every round's K (0: a plain decode step)
     last: tuple[float, float] = (0.0, 0.0)  # the latest round's drafting and verify seconds
 
@@ -258,8 +258,8 @@ class Engine:
                 "mean_accepted": sum(tally.accepted) / len(tally.accepted) if tally.accepted else 0.0,
                 "mean_window": sum(tally.windows) / len(tally.windows) if tally.windows else 0.0,
                 "plain_rounds": tally.windows.count(0),
-                "recall": tally.hit / tally.true if tally.true else 0.0,
-                "precision": tally.hit / tally.predicted if tally.predicted else 0.0,
+                "recall": tally.predicted_used / tally.used if tally.used else 0.0,
+                "precision": tally.predicted_used / tally.predicted if tally.predicted else 0.0,
                 "draft_s": tally.draft_s,
                 "verify_s": tally.verify_s,
             },
@@ -269,8 +269,8 @@ class Engine:
 def _score(tally: _Tally, predicted: dict[int, set[int]], true: dict[int, set[int]]) -> None:
     for layer, want in true.items():
         got = predicted.get(layer, set())
-        tally.hit += len(got & want)
-        tally.true += len(want)
+        tally.predicted_used += len(got & want)
+        tally.used += len(want)
         tally.predicted += len(got)
 
 

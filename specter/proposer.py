@@ -76,14 +76,14 @@ class LocalProposer:
         self.draft = draft
         self.clock = clock or WallClock()
         self.cache: DynamicCache | None = None
-        self.done = 0  # positions the draft's cache holds
+        self.cached = 0  # positions the draft's cache holds
         self.sampling = SamplingConfig()
         self.gen = torch.Generator()
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Draft cache over the prompt; seeds the draft's generator from the request's seed."""
         self.cache = self.draft.new_cache()
-        self.done = 0
+        self.cached = 0
         self._forward(prompt_ids)
         self.sampling = sampling
         self.gen.manual_seed(draft_seed(sampling.seed))
@@ -92,7 +92,7 @@ class LocalProposer:
         self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool
     ) -> tuple[list[int], list[torch.Tensor]]:
         """K draft steps after ``seq``; see :meth:`extend`."""
-        return self.extend(round_id, seq[self.done :], k, on_plan, route_last)
+        return self.extend(round_id, seq[self.cached :], k, on_plan, route_last)
 
     def extend(
         self, round_id: int, pending: list[int], k: int, on_plan: OnPlan, route_last: bool
@@ -126,12 +126,12 @@ class LocalProposer:
         """One draft forward over ``tokens`` after the cached positions, charged to the clock."""
         assert self.cache is not None, "prefill() first"
         logits = self.draft.forward(torch.tensor([tokens]), self.cache)
-        self.clock.charge_draft(self.draft.last_routing, len(tokens), self.done)
-        self.done += len(tokens)
+        self.clock.charge_draft(self.draft.last_routing, len(tokens), self.cached)
+        self.cached += len(tokens)
         return logits
 
     def rollback(self, length: int) -> None:
         """Crop the draft cache to the accepted prefix."""
-        self.done = min(self.done, length)
+        self.cached = min(self.cached, length)
         if self.cache is not None:
-            crop_cache(self.cache, self.done)
+            crop_cache(self.cache, self.cached)

@@ -107,3 +107,26 @@ def test_slot_pool_on_given_storage_uses_it_and_refuses_a_wrong_shape() -> None:
     assert torch.all(memory[2] == 1)  # the pool wrote into the given memory
     with pytest.raises(ValueError, match=r"storage: expected \(3, "):
         SlotPool(shape, {-1: 3}, storage=torch.zeros(2, shape.numel))
+
+
+def test_slot_pool_answers_for_its_state() -> None:
+    shape = ExpertShape(hidden=4, intermediate=2, dtype=torch.float32)
+    pool = SlotPool(shape, {0: 2, 1: 1})
+    assert pool.empty_slot(0) == 0 and pool.empty_slot(1) == 2
+    pool.place((0, 5), 0, torch.ones(shape.numel))
+    assert pool.holds((0, 5)) and not pool.holds((0, 6)) and pool.empty_slot(0) == 1
+    link = SimulatedLink(bandwidth=1e12)
+    try:
+        transfer = link.submit((1, 3), 2, torch.ones(shape.numel), pool.slot_tensor(2), PREFETCH)
+        pool.start_loading((1, 3), 2, transfer)
+        assert pool.transfer_of((1, 3)) is transfer and pool.transfer_of((0, 5)) is None
+        assert pool.loading_keys() == [(1, 3)] and pool.loading_keys(0) == [] and pool.empty_slot(1) is None
+        transfer.wait(5.0)
+        pool.finish_loading((1, 3))
+    finally:
+        link.close()
+    assert torch.all(pool.slot_tensor(2) == 1) and pool.loading_keys() == []
+    pool.pin((0, 5))
+    assert pool.is_pinned((0, 5)) and not pool.is_pinned((1, 3)) and not pool.is_pinned((0, 9))
+    pool.unpin((0, 5))
+    assert not pool.is_pinned((0, 5)) and pool.device.type == "cpu"

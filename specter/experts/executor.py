@@ -49,7 +49,7 @@ class OffloadedExperts:
         self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
         self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
         self.trace: Trace | None = None  # when set, each layer's routing is recorded (the bound)
-        self.on_cuda = pool.storage.is_cuda
+        self.on_cuda = pool.device.type == "cuda"
         self.host: HostCompute | None = default_host(link, store.shape, self.on_cuda, self.clock)
         policy.bind(self)
 
@@ -66,15 +66,15 @@ class OffloadedExperts:
         if slot is None:
             return None
         src = self.store.blob(*key)
-        wait_for = self.pool.last_use[slot] if self.on_cuda else None
-        transfer = self.link.submit(key, slot, src, self.pool.storage[slot], priority, wait_for)
+        wait_for = self.pool.last_reader(slot) if self.on_cuda else None
+        transfer = self.link.submit(key, slot, src, self.pool.slot_tensor(slot), priority, wait_for)
         self.pool.start_loading(key, slot, transfer)
         return transfer
 
     def cancel(self, key: Key) -> bool:
         """Drop a queued (not started) transfer of ``key`` and free its slot."""
-        transfer = self.pool.loading.get(key)
-        if transfer is None or self.pool.pins[self.pool.where[key]] or not self.link.cancel(transfer):
+        transfer = self.pool.transfer_of(key)
+        if transfer is None or self.pool.is_pinned(key) or not self.link.cancel(transfer):
             return False
         self.pool.finish_loading(key)
         self.pool.evict(key)
@@ -82,7 +82,7 @@ class OffloadedExperts:
 
     def wait(self, key: Key) -> None:
         """Block until ``key``'s transfer has landed; the time counts as waiting."""
-        transfer = self.pool.loading.get(key)
+        transfer = self.pool.transfer_of(key)
         if transfer is None:
             return
         self.link.promote(transfer)
@@ -91,26 +91,25 @@ class OffloadedExperts:
 
     def reset_residency(self) -> None:
         """Empty every slot and refill the initial residency (same start for every run)."""
-        for key in list(self.pool.loading):
+        for key in self.pool.loading_keys():
             self.wait(key)
-        for key in list(self.pool.where):
+        for key in self.pool.resident():
             self.pool.evict(key)
         self.prefill_slots()
 
     def prefill_slots(self) -> None:
         """Fill empty slots round-robin over layers (expert 0 of every layer, then 1, …), untimed."""
         for key, slot in self.claim_initial_slots():
-            self.pool.storage[slot].copy_(self.store.blob(*key))
+            self.pool.slot_tensor(slot).copy_(self.store.blob(*key))
 
     def claim_initial_slots(self) -> list[tuple[Key, int]]:
         """Record the initial residency in the map; returns the (expert, slot) pairs to fill."""
         order = [(lay, e) for e in range(self.store.num_experts) for lay in self.store.layers]
         claimed: list[tuple[Key, int]] = []
         for key in order:
-            if key in self.pool.where:
+            if self.pool.holds(key):
                 continue
-            slots = self.pool.group_slots[self.pool.group_of(key[0])]
-            free = next((s for s in slots if self.pool.owner[s] is None), None)
+            free = self.pool.empty_slot(key[0])
             if free is not None:
                 self.pool.claim(key, free)
                 claimed.append((key, free))
@@ -134,8 +133,8 @@ class OffloadedExperts:
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         ready, pending, missing = self._classify(keys)
         on_host = self._split_host(pending, missing, top_k_index)
-        for key in pending:
-            self.link.promote(self.pool.loading[key])
+        for transfer in filter(None, map(self.pool.transfer_of, pending)):
+            self.link.promote(transfer)
         for key in on_host:  # the host works alongside the device: its deadline runs from now
             outputs[key[1]] = self._run_host(module, key, hidden, top_k_index, top_k_weights)
         protect = set(keys)
@@ -169,7 +168,7 @@ class OffloadedExperts:
         pool = self.pool
         self.trace = Trace(capacity={g: len(s) for g, s in pool.group_slots.items()},
                            group_of={layer: pool.group_of(layer) for layer in self.store.layers},
-                           initial=set(pool.where))
+                           initial=set(pool.resident()))
         return self.trace
 
     def _record(self, layer: int, dense_s: float, top_k_index: torch.Tensor, needed: list[int]) -> None:
@@ -214,7 +213,7 @@ class OffloadedExperts:
         nbytes = self.store.shape.nbytes
         chosen: list[Key] = []
         for key in [*pending, *missing]:
-            transfer = self.pool.loading.get(key)
+            transfer = self.pool.transfer_of(key)
             landed = self.link.landing(transfer, now) if transfer is not None else None
             eta = landed if landed is not None else link_t + self.link.estimate_s(nbytes)
             done = host_t + host.expert_s(_tokens(top_k_index, key[1]))
@@ -257,7 +256,7 @@ class OffloadedExperts:
             self.host.finish()
         if not (self.policy.fetch_after_host or (self.policy.fetch_when_idle and self._link_idle())):
             return
-        self.policy.fetch_later([key for key in on_host if key not in self.pool.where])
+        self.policy.fetch_later([key for key in on_host if not self.pool.holds(key)])
 
     def _link_idle(self) -> bool:
         now = self.clock.now()
@@ -266,7 +265,7 @@ class OffloadedExperts:
     def _land_one(self, layer: int, waiting: Key) -> None:
         """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""
         group = self.pool.group_of(layer)
-        flying = [k for k in self.pool.loading if self.pool.group_of(k[0]) == group]
+        flying = self.pool.loading_keys(group)
         if not flying:
             raise RuntimeError(f"layer {layer}: no expert slot can be freed for expert {waiting}")
         self.wait(flying[0])
@@ -292,7 +291,7 @@ class OffloadedExperts:
         event = None
         if self.on_cuda:  # on the pool's device's stream: the current device may be another one
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.pool.storage.device))
+            event.record(torch.cuda.current_stream(self.pool.device))
         self.pool.unpin(key, event)
         return out
 

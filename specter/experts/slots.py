@@ -75,9 +75,41 @@ class SlotPool:
     def is_loading(self, key: Key) -> bool:
         return key in self.loading
 
+    def holds(self, key: Key) -> bool:
+        """Whether ``key`` has a slot (ready or loading)."""
+        return key in self.where
+
+    def transfer_of(self, key: Key) -> Transfer | None:
+        """The transfer moving ``key`` into its slot, None when it is not loading."""
+        return self.loading.get(key)
+
+    def is_pinned(self, key: Key) -> bool:
+        """Whether a running layer reads ``key``'s slot (it must not move or be evicted)."""
+        return key in self.where and self.pins[self.where[key]] > 0
+
+    def empty_slot(self, layer: int) -> int | None:
+        """A slot of ``layer``'s group that holds nothing, if any."""
+        return next((s for s in self.group_slots[self.group_of(layer)] if self.owner[s] is None), None)
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s memory (where a blob is copied to)."""
+        return self.storage[slot]
+
+    def last_reader(self, slot: int) -> Any:
+        """The CUDA event of the last compute that read ``slot`` (None on a CPU)."""
+        return self.last_use[slot]
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
     def resident(self, layer: int | None = None) -> list[Key]:
         """Experts ready or loading, optionally of one layer."""
         return [k for k in self.where if layer is None or k[0] == layer]
+
+    def loading_keys(self, group: int | None = None) -> list[Key]:
+        """Experts on their way into a slot (of ``group``), oldest transfer first."""
+        return [k for k in self.loading if group is None or self.group_of(k[0]) == group]
 
     def view(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) views of the slot holding ``key``."""

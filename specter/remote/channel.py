@@ -176,7 +176,7 @@ def check_endpoint(address: str, expose: bool = False) -> str:
         return address
     if transport == "tcp":
         if expose:
-            _check_port(address, rest)
+            _port_checked_host(address, rest)
             log.warning("endpoint %s: exposed beyond loopback (expose=True); the plan plane has no authentication", address)
             return address
         _check_loopback(address, rest)
@@ -184,7 +184,7 @@ def check_endpoint(address: str, expose: bool = False) -> str:
     raise ValueError(f"endpoint {address!r}: transport {transport!r} refused; use ipc:// or loopback tcp://")
 
 
-def _check_port(address: str, rest: str) -> str:
+def _port_checked_host(address: str, rest: str) -> str:
     """The host part of ``HOST:PORT`` after checking the port."""
     host, _, port = rest.rpartition(":")
     if not host or not port or not (port == "*" or port.isdigit()):
@@ -193,7 +193,7 @@ def _check_port(address: str, rest: str) -> str:
 
 
 def _check_loopback(address: str, rest: str) -> None:
-    host = _check_port(address, rest)
+    host = _port_checked_host(address, rest)
     if host == "localhost":
         return
     try:

@@ -107,8 +107,8 @@ class DraftServer:
     def _propose(self, msg: ProposeRequest) -> None:
         if self.proposer.cache is None:
             raise Refused("no request started (StartRequest first)")
-        if msg.keep > self.proposer.done:
-            raise Refused(f"keep {msg.keep}: the draft cache holds only {self.proposer.done} positions")
+        if msg.keep > self.proposer.cached:
+            raise Refused(f"keep {msg.keep}: the draft cache holds only {self.proposer.cached} positions")
         # extend() runs the pending tokens, K - 1 drafted ones, and the K-th with route_last
         self._check_tokens(list(msg.tokens), msg.keep + len(msg.tokens) + msg.k - 1 + msg.route_last)
         self.proposer.rollback(msg.keep)

@@ -34,7 +34,7 @@ class RemoteProposer:
     def __init__(self, channel: Channel, timeout_s: float = 60.0):
         self.channel = channel
         self.timeout_s = timeout_s
-        self.done = 0  # positions the draft's cache holds (mirrored)
+        self.cached = 0  # positions the draft's cache holds (mirrored)
         self._requests = 0
         self._ignore = DropLog("verifier: from the draft", ("stale",))
         self.stale = self._ignore.counts
@@ -50,23 +50,23 @@ class RemoteProposer:
                 sampling.seed,
             )
         )
-        self.done = len(prompt_ids)
+        self.cached = len(prompt_ids)
 
     def propose(
         self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool
     ) -> tuple[list[int], list[torch.Tensor]]:
         """K draft tokens after ``seq``; plan deltas reach ``on_plan`` as the draft sends them."""
-        self.channel.send(ProposeRequest(round_id, self.done, list(seq[self.done :]), k, route_last))
+        self.channel.send(ProposeRequest(round_id, self.cached, list(seq[self.cached :]), k, route_last))
         tokens = self._collect(round_id, on_plan)
         if len(tokens.tokens) != k:
             raise DraftError(f"draft: round {round_id} returned {len(tokens.tokens)} tokens, asked for {k}")
-        self.done = len(seq) + k - 1 + (1 if route_last else 0)
+        self.cached = len(seq) + k - 1 + (1 if route_last else 0)
         qs = [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]
         return list(tokens.tokens), qs
 
     def rollback(self, length: int) -> None:
         """The draft keeps only ``length`` positions (sent with the next request)."""
-        self.done = min(self.done, length)
+        self.cached = min(self.cached, length)
 
     def _collect(self, round_id: int, on_plan: OnPlan) -> DraftTokens:
         deadline = time.monotonic() + self.timeout_s

@@ -11,16 +11,25 @@ import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 from typing import NoReturn
 
 import torch
 
 from specter.assets import DEFAULT_MODEL
+from specter.clock import CLOCKS
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads, parse_bytes
+from specter.costs import Timing, resolve_timing
+from specter.draft.loading import check_draft_matches, load_draft
 from specter.draft.quantize.cli import add_quantize_command, positive_int, run_quantize
-from specter.models.checkpoint import CheckpointError
+from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
+from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
+from specter.profiles import PROFILES
 
+# transformers, ray, the engine, the target, the benchmark and the actors are imported inside the
+# commands that use them (each 0.5-7 s to import here): `specter --help` costs torch's import only.
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -41,8 +50,6 @@ def _fraction(text: str) -> SlotConfig:
 
 
 def _link(text: str) -> LinkConfig | str:
-    from specter.profiles import PROFILES
-
     if text in PROFILES:
         return text  # resolved once the model is known: the profile's rho on this machine
     try:
@@ -149,8 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _profile_name(text: str) -> str:
-    from specter.profiles import PROFILES
-
     if text not in PROFILES:
         raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}")
     return text
@@ -162,8 +167,6 @@ def _positive(text: str) -> float:
 
 
 def _add_timing(command: argparse.ArgumentParser) -> None:
-    from specter.clock import CLOCKS
-
     command.add_argument("--clock", choices=CLOCKS, default="wall",
                          help="wall: real time (default); virtual: compute charged from the profile's GPU cost "
                               "model, link and host as discrete events, nothing sleeps (docs/benchmark.md); "
@@ -178,8 +181,6 @@ def _add_timing(command: argparse.ArgumentParser) -> None:
 
 def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool = False):  # type: ignore[no-untyped-def]
     """The run's clock, link and host from --clock/--profile/--link/--rho (``specter.costs.Timing``)."""
-    from specter.costs import Timing, resolve_timing
-
     profile, clock, rho = getattr(args, "profile", None), getattr(args, "clock", "wall"), getattr(args, "rho", None)
     link = args.link
     if isinstance(link, str):  # --link PROFILE: that profile's link (and host), as before --profile
@@ -246,8 +247,6 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
-    from specter.profiles import PROFILES
-
     bench = commands.add_parser("bench", help="every policy side by side on the same prompts")
     bench.add_argument("--model", default=str(DEFAULT_MODEL))
     bench.add_argument("--draft", default=None, help="draft folder (default: the model's shipped AWQ draft)")
@@ -287,11 +286,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pathlib import Path
-
     from specter.eval import bench
     from specter.eval.prompts import load_prompts
-    from specter.profiles import PROFILES
 
     profiles = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in profiles if p not in PROFILES]
@@ -367,9 +363,6 @@ def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Samp
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specter.draft.loading import check_draft_matches
-    from specter.models.checkpoint import read_config_dict, resolve_model_dir
-
     sampling = _sampling(args, parser)
     window = _window(args, parser)
     if args.prompt is not None and not args.prompt.strip():
@@ -426,7 +419,6 @@ def _eos(model: str) -> int | None:
 
 def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
-    from specter.draft.loading import load_draft
     from specter.engine import Engine
     from specter.eval.bench import FIXED_DRAFT_MODE
     from specter.target import MemoryRequest, OffloadedTarget
@@ -455,7 +447,6 @@ def _through_actors(args, parser, timing, budget, window, sampling):  # type: ig
     """The three Ray actors (a local Ray, or a running cluster)."""
     link = timing.link
     from actors.client import Client
-    from specter.models.checkpoint import read_config_dict, resolve_model_dir
 
     vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
     address = None if args.address == "none" else args.address
@@ -470,13 +461,8 @@ def _through_actors(args, parser, timing, budget, window, sampling):  # type: ig
 
 def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``specter batch``: validate everything, resume, then hand prompts out to the replicas."""
-    import time
-
     import ray
 
-    from specter.draft.loading import check_draft_matches
-    from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
-    from specter.models.checkpoint import read_config_dict, resolve_model_dir
     from specter.target import load_tokenizer
 
     sampling = _sampling(args, parser)

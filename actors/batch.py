@@ -88,15 +88,7 @@ def run_batch(
     driver = Recorder("all", "driver")
     replicas = [_Replica(f"r{i}", placement) for i, placement in enumerate(spread(options.replicas))]
     try:
-        for replica in list(replicas):
-            try:
-                _start(replica, options, launcher)
-            except TimeoutError as exc:  # no room for this one: go on with those that started
-                if replica is replicas[0]:
-                    raise
-                log.warning("%s; going on with %d replica(s)", exc, replicas.index(replica))
-                replicas = replicas[: replicas.index(replica)]
-                break
+        replicas = _start_all(replicas, options, launcher)
         while todo or any(r.busy for r in replicas):
             driver.set("specter_queue_depth", len(todo))
             for replica in replicas:
@@ -121,31 +113,37 @@ def run_batch(
                     launcher,
                     on_result,
                 )
-            now = time.monotonic()
-            for replica in replicas:
-                if replica.busy is not None and now - replica.busy[3] > options.request_timeout_s:
-                    _, item, attempt, _ = replica.busy
-                    _fault(
-                        replica,
-                        item,
-                        attempt,
-                        TimeoutError(
-                            f"request {item.id!r} ran past --request-timeout {options.request_timeout_s:.0f}s"
-                        ),
-                        options,
-                        out,
-                        report,
-                        todo,
-                        driver,
-                        progress,
-                        launcher,
-                    )
+            for replica in _overdue(replicas, options.request_timeout_s):
+                assert replica.busy is not None
+                _, item, attempt, _ = replica.busy
+                error = TimeoutError(f"request {item.id!r} ran past --request-timeout {options.request_timeout_s:.0f}s")
+                _fault(replica, item, attempt, error, options, out, report, todo, driver, progress, launcher)
         driver.set("specter_queue_depth", 0)
     finally:
         for replica in replicas:
             if replica.handle is not None:
                 replica.handle.shutdown()
     return report
+
+
+def _start_all(replicas: list[_Replica], options: BatchOptions, launcher: Launcher) -> list[_Replica]:
+    """Start the replicas in order; when one finds no room, go on with those that started (none
+    started: the error)."""
+    for i, replica in enumerate(replicas):
+        try:
+            _start(replica, options, launcher)
+        except TimeoutError as exc:  # no room for this one: go on with those that started
+            if i == 0:
+                raise
+            log.warning("%s; going on with %d replica(s)", exc, i)
+            return replicas[:i]
+    return replicas
+
+
+def _overdue(replicas: list[_Replica], timeout_s: float) -> list[_Replica]:
+    """The replicas whose request has run past ``timeout_s``."""
+    now = time.monotonic()
+    return [r for r in replicas if r.busy is not None and now - r.busy[3] > timeout_s]
 
 
 def spread(replicas: int) -> list[dict[str, Any]]:

@@ -119,14 +119,7 @@ def launch(
         bundle["GPU"] = round(1 / len(roles), 4)
     if node_ip is not None:
         bundle[f"node:{node_ip}"] = 0.001
-    pg = placement_group([dict(bundle) for _ in roles], strategy="STRICT_PACK", name=f"specter-{replica}")
-    try:
-        ray.get(pg.ready(), timeout=max(timeout_s, 10.0))
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise TimeoutError(
-            f"replica {replica}: no node has room for {len(roles)} x {bundle} within {max(timeout_s, 10.0):.0f}s"
-        ) from None
+    pg = _reserve(replica, len(roles), bundle, max(timeout_s, 10.0))
 
     def where(role: str) -> dict[str, Any]:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=roles.index(role))
@@ -153,6 +146,19 @@ def launch(
         handle.shutdown()
         raise
     return handle
+
+
+def _reserve(replica: str, count: int, bundle: dict[str, float], timeout_s: float) -> Any:
+    """A STRICT_PACK placement group of ``count`` bundles, ready (one node holds the whole trio)."""
+    pg = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=f"specter-{replica}")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"replica {replica}: no node has room for {count} x {bundle} within {timeout_s:.0f}s"
+        ) from None
+    return pg
 
 
 def _wire(handle: EngineHandle, timeout_s: float, startup_s: float) -> None:

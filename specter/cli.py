@@ -475,14 +475,8 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)), model_config)
     items, bad = read_batch(args.input, args.max_new_tokens, sampling.temperature, sampling.seed)
-    for error in bad:
-        print(f"specter batch: bad line: {error}", file=sys.stderr)
-    if bad and args.on_bad_line == "stop":
-        print(f"specter batch: {len(bad)} bad line(s) in {args.input}; nothing run (--on-bad-line stop)",
-              file=sys.stderr)
+    if not _report_bad_lines(args, bad):
         return 1
-    for error in bad:
-        append_error(args.out, {"line": error.line, "error": str(error)})
     results = ResultsFile(args.out)
     if results.repaired:
         print(f"specter batch: cut a torn last line ({results.repaired} bytes) off {args.out}", file=sys.stderr)
@@ -526,6 +520,20 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"specter batch: failures are in {errors_path(args.out)}; re-run the same command to retry them",
               file=sys.stderr)
     return 1 if report.failed else 0
+
+
+def _report_bad_lines(args: argparse.Namespace, bad: list) -> bool:
+    """Print the input's bad lines; False (run nothing) under ``--on-bad-line stop``, else record
+    them in the errors file and go on."""
+    for error in bad:
+        print(f"specter batch: bad line: {error}", file=sys.stderr)
+    if bad and args.on_bad_line == "stop":
+        print(f"specter batch: {len(bad)} bad line(s) in {args.input}; nothing run (--on-bad-line stop)",
+              file=sys.stderr)
+        return False
+    for error in bad:
+        append_error(args.out, {"line": error.line, "error": str(error)})
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,6 +115,22 @@ def quantize_model(
         if ids
         else None
     )
+    tensors, layers = _quantize_layers(loaded, store, recorder, spec, progress)
+    report = _report(loaded, spec, tensors, layers, len(ids) if ids else 0, cap)
+    report["calibration"]["generated"] = _generated_summary(generation, recorder)
+    _write(loaded, out, tensors, _config(loaded, spec, report), report)
+    if progress:
+        log.info(
+            "draft written to %s: %.2f MB packed experts (%s)", out, report["packed_bytes"] / 1e6, method
+        )
+    return report
+
+
+def _quantize_layers(
+    loaded: LoadedModel, store: ExpertStore, recorder: CalibrationRecorder | None, spec: QuantSpec, progress: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every MoE layer's experts quantized: the draft's tensors (dense parts included) and a
+    summary per layer (logged as each finishes when ``progress``)."""
     tensors = _dense_tensors(loaded)
     layers: dict[str, Any] = {}
     for layer in loaded.moe_layers:
@@ -124,14 +140,7 @@ def quantize_model(
         layers[str(layer)] = _layer_summary(experts, store, layer)
         if progress:
             log.info("%s", _progress_line(layer, layers[str(layer)]))
-    report = _report(loaded, spec, tensors, layers, len(ids) if ids else 0, cap)
-    report["calibration"]["generated"] = _generated_summary(generation, recorder)
-    _write(loaded, out, tensors, _config(loaded, spec, report), report)
-    if progress:
-        log.info(
-            "draft written to %s: %.2f MB packed experts (%s)", out, report["packed_bytes"] / 1e6, method
-        )
-    return report
+    return tensors, layers
 
 
 def _calibration(

@@ -25,7 +25,6 @@ from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import make_policy
-from specter.profiles import simulated_host
 from specter.protocol import Shutdown
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
@@ -35,6 +34,7 @@ from specter.remote.proposer import RemoteProposer
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots, SlotsHandle
 from specter.target import OffloadedTarget, slot_groups
+from specter.timing.profiles import simulated_host
 
 log = logging.getLogger(__name__)
 

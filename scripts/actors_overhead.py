@@ -1,6 +1,6 @@
-"""Actors vs in-process TPOT on one checkpoint: ``python -m scripts.actors_overhead MODEL [DRAFT]``.
+"""Actors vs in-process TPOT on one checkpoint: ``python scripts/actors_overhead.py MODEL [DRAFT]``.
 
-A first look at the plan plane's cost (docs/actors.md), until the benchmark has an actors column.
+A first look at the plan plane's cost (docs/actors.md); ``specter bench --clock wall --actors`` is the full one.
 Prints one JSON object: median TPOT (seconds) per (mode, policy).
 """
 

@@ -32,13 +32,13 @@ import torch
 from specter import proposer as proposer_module
 from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SlotConfig
-from specter.costs import resolve_timing
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.eval.bench import BenchConfig, load_target, resident_step_s
 from specter.eval.prompts import load_prompts
-from specter.profiles import PROFILES
 from specter.target import OffloadedTarget
+from specter.timing.costs import resolve_timing
+from specter.timing.profiles import PROFILES
 
 
 class Timers:

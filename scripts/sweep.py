@@ -30,7 +30,7 @@ from specter.assets import DEFAULT_MODEL
 from specter.eval import bench
 from specter.eval.prompts import load_prompts
 from specter.plan import adapts
-from specter.profiles import GB, PROFILES, TFLOPS, Host
+from specter.timing.profiles import GB, PROFILES, TFLOPS, Host
 
 # Host→device links, pinned copies as achieved in practice (docs/profiles.md).
 LINKS = {

@@ -18,15 +18,15 @@ from typing import NoReturn
 import torch
 
 from specter.assets import DEFAULT_MODEL
-from specter.clock import CLOCKS
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads, parse_bytes
-from specter.costs import Timing, resolve_timing
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.draft.quantize.cli import add_quantize_command, positive_int, run_quantize
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
 from specter.plan import OPTIONS, POLICIES, drafts, policy_class
-from specter.profiles import PROFILES
+from specter.timing.clock import CLOCKS
+from specter.timing.costs import Timing, resolve_timing
+from specter.timing.profiles import PROFILES
 
 # transformers, ray, the engine, the target, the benchmark and the actors are imported inside the
 # commands that use them (each 0.5-7 s to import here): `specter --help` costs torch's import only.
@@ -180,7 +180,7 @@ def _add_timing(command: argparse.ArgumentParser) -> None:
 
 
 def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool = False):  # type: ignore[no-untyped-def]
-    """The run's clock, link and host from --clock/--profile/--link/--rho (``specter.costs.Timing``)."""
+    """The run's clock, link and host from --clock/--profile/--link/--rho (``specter.timing.costs.Timing``)."""
     profile, clock, rho = getattr(args, "profile", None), getattr(args, "clock", "wall"), getattr(args, "rho", None)
     link = args.link
     if isinstance(link, str):  # --link PROFILE: that profile's link (and host), as before --profile

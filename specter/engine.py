@@ -13,13 +13,13 @@ from transformers import DynamicCache
 
 from specter.bound import Trace, lower_bound
 from specter.config import SamplingConfig
-from specter.costs import CostModel
 from specter.draft.loading import check_draft_matches
 from specter.models.routing import Routing
 from specter.proposer import Draft, LocalProposer, Proposer
 from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
+from specter.timing.costs import CostModel
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, probabilities
 

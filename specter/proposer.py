@@ -14,11 +14,11 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from specter.clock import WallClock
 from specter.config import SamplingConfig
 from specter.models.routing import Routing
 from specter.protocol import PlanDelta
 from specter.target import crop_cache
+from specter.timing.clock import WallClock
 from specter.verify.sampling import probabilities
 
 OnPlan = Callable[[PlanDelta], None]
@@ -69,7 +69,7 @@ class LocalProposer:
 
     Args:
         draft: the draft model.
-        clock: the run's clock; a virtual one is charged each draft forward (``specter/costs.py``).
+        clock: the run's clock; a virtual one is charged each draft forward (``specter/timing/costs.py``).
     """
 
     def __init__(self, draft: Draft, clock: WallClock | None = None):

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from specter.clock import VirtualClock, WallClock
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.executor import OffloadedExperts
 from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
@@ -19,6 +18,7 @@ from specter.memory import MemoryPlan, plan_memory
 from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
+from specter.timing.clock import VirtualClock, WallClock
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class OffloadedTarget:
             dtype: compute dtype; default fp32 on a CPU (see below), the checkpoint's on a GPU.
             timeout: seconds before a transfer that never lands is an error.
             memory: device memory to plan (used when ``budget`` is None).
-            clock: the run's clock (``specter/clock.py``); a virtual one gets a virtual link.
+            clock: the run's clock (``specter/timing/clock.py``); a virtual one gets a virtual link.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         policy = make_policy(policy) if isinstance(policy, str) else policy

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specter.eval import bench
-from specter.profiles import PROFILES
+from specter.timing.profiles import PROFILES
 
 
 def test_profile_rho_and_simulated_bandwidth():

@@ -11,11 +11,11 @@ from tiny_models import noisy_copy
 
 from specter.bound import LayerUse, Trace, fewest_misses, lower_bound
 from specter.config import SamplingConfig, SlotConfig
-from specter.costs import resolve_timing
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
 from specter.plan import POLICIES, drafts
 from specter.target import OffloadedTarget
+from specter.timing.costs import resolve_timing
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
 

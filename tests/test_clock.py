@@ -12,15 +12,15 @@ from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
 from specter.cli import main
-from specter.clock import VirtualClock, make_clock
 from specter.config import LinkConfig, SlotConfig
-from specter.costs import cost_model, resolve_timing
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
 from specter.experts.link import DEMAND, PREFETCH, LinkError, VirtualLink
 from specter.plan import POLICIES, drafts
-from specter.profiles import DENSE_KERNELS, EXPERT_KERNELS, LAUNCH_S, PROFILES, W4_TIME_RATIO
 from specter.target import OffloadedTarget
+from specter.timing.clock import VirtualClock, make_clock
+from specter.timing.costs import cost_model, resolve_timing
+from specter.timing.profiles import DENSE_KERNELS, EXPERT_KERNELS, LAUNCH_S, PROFILES, W4_TIME_RATIO
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
 NEW = 12

@@ -117,7 +117,7 @@ def test_draft_equal_to_target_agrees_everywhere_and_another_model_does_not(targ
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("fidelity_script", ROOT / "scripts" / "eval/fidelity.py")
+    spec = importlib.util.spec_from_file_location("fidelity_script", ROOT / "scripts" / "fidelity.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -16,8 +16,8 @@ from specter.engine import Engine
 from specter.experts.host import HostCompute
 from specter.experts.store import ExpertShape
 from specter.plan import POLICIES, drafts, make_policy
-from specter.profiles import PROFILES
 from specter.target import OffloadedTarget
+from specter.timing.profiles import PROFILES
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
 NEW = 10

@@ -1,6 +1,6 @@
 """The benchmark: every policy on the same prompts, interleaved in one process, per link profile.
 
-By default on the virtual clock (``specter/clock.py``): compute charged from the profile's GPU cost
+By default on the virtual clock (``specter/timing/clock.py``): compute charged from the profile's GPU cost
 model, link and host as discrete events, so the ratios do not depend on this machine or its load.
 On the wall clock absolute CPU times are noise on a shared machine and the evidence is the ratios
 between policies measured side by side in one run. See docs/benchmark.md for the method.
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
-from specter.costs import Timing, resolve_timing
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.loader import build_dense
 from specter.plan import POLICIES, adapts, drafts, policy_class
-from specter.profiles import PROFILES, Profile
 from specter.target import OffloadedTarget
+from specter.timing.costs import Timing, resolve_timing
+from specter.timing.profiles import PROFILES, Profile
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class BenchConfig:
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
     actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
     step_s: float | None = None  # this machine's all-resident step time (wall, measured); None: measure it
-    clock: str = "virtual"  # wall | virtual | measured (specter/clock.py)
+    clock: str = "virtual"  # wall | virtual | measured (specter/timing/clock.py)
     rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
     draft_mode: str | None = None  # the draft's expert mode; None: auto on the wall clock, else fixed
     scan_prompts: list[list[int]] = field(default_factory=list)  # the K scan's (None: the first two)

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from specter.bound import LayerUse, Trace
-from specter.clock import WallClock
 from specter.config import HostConfig
 from specter.experts.host import HostCompute
 from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer, VirtualLink
@@ -30,6 +29,7 @@ from specter.experts.slots import ChooseVictim, Key, SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
 from specter.plan.base import Policy
 from specter.stats import OffloadCounters
+from specter.timing.clock import WallClock
 
 
 class OffloadedExperts:
@@ -320,6 +320,6 @@ def default_host(link: Link, shape: ExpertShape, on_cuda: bool, clock: WallClock
     """
     if on_cuda or not isinstance(link, SimulatedLink):
         return None
-    from specter.profiles import simulated_host
+    from specter.timing.profiles import simulated_host
 
     return HostCompute(simulated_host(link.bandwidth, link.latency, shape.nbytes, 2 * shape.numel), shape, clock)

@@ -7,15 +7,15 @@ blob) while the device runs the resident experts; the layer ends at max(device p
 On a CPU the host's time is simulated as the link's is: the math runs at once, and the layer then
 waits until the host's deadline, ``HostConfig.expert_s`` after the host was free. One expert at a
 time (experts share the host's memory bandwidth), so deadlines queue. Deadlines are in the run's
-clock (``specter/clock.py``): on the wall clock the layer sleeps until one, on a virtual clock
+clock (``specter/timing/clock.py``): on the wall clock the layer sleeps until one, on a virtual clock
 waiting moves the clock to it.
 """
 
 from __future__ import annotations
 
-from specter.clock import WallClock
 from specter.config import HostConfig
 from specter.experts.store import ExpertShape
+from specter.timing.clock import WallClock
 
 
 class HostCompute:

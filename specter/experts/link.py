@@ -6,7 +6,7 @@ so that a CPU run feels the link as a GPU run would. Either way the copy runs in
 thread, asynchronous with the compute of the caller, and urgent (demand) transfers jump ahead of
 queued prefetches.
 
-``VirtualLink`` is the same link on a virtual clock (``specter/clock.py``): no thread, no sleep.
+``VirtualLink`` is the same link on a virtual clock (``specter/timing/clock.py``): no thread, no sleep.
 Each operation first plays the link forward to the clock's now — transfers start, in priority
 order, when the link is free, and land ``latency + bytes / bandwidth`` later — and waiting for a
 transfer plays it forward to its landing and moves the clock there.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specter.clock import SPIN_S, VirtualClock
+from specter.timing.clock import SPIN_S, VirtualClock
 
 DEMAND, PREFETCH = 0, 1
 _PRIOR_BYTES_PER_S = 12e9  # before anything has moved: PCIe 4.0 x16 in practice, pageable

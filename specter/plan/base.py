@@ -6,13 +6,13 @@ from typing import Protocol
 
 import torch
 
-from specter.clock import WallClock
 from specter.experts.host import HostCompute
 from specter.experts.link import PREFETCH, Link, Transfer
 from specter.experts.slots import ChooseVictim, Key, SlotPool
 from specter.experts.store import ExpertStore
 from specter.plan.window import WindowChooser
 from specter.protocol import PlanDelta
+from specter.timing.clock import WallClock
 
 
 class Offload(Protocol):

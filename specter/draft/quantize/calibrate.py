@@ -27,13 +27,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specter.assets import ASSETS
 from specter.experts.store import ExpertStore
 from specter.models.greedy import greedy_continuation
 from specter.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CALIBRATION = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "calibration.txt"
+DEFAULT_CALIBRATION = ASSETS / "prompts" / "calibration.txt"
 
 
 @dataclass

@@ -10,7 +10,7 @@ still runs for real (tokens, routing and acceptance are the model's), but nothin
 advances the clock to when the transfer lands or the host is done. How long compute takes is
 
 * ``costs`` given (clock name ``virtual``): *charged* from a cost model
-  (``specter.costs.CostModel``): a GPU's proportions, the same on any machine and under any load;
+  (``specter.timing.costs.CostModel``): a GPU's proportions, the same on any machine and under any load;
 * no ``costs`` (clock name ``measured``): the compute's measured duration on this CPU — the main
   thread's real time between two readings of the clock, less the link's bookkeeping — which is
   the wall clock without its sleeps (``docs/benchmark.md`` validates it against the wall clock).
@@ -31,7 +31,7 @@ SPIN_S = 5e-4  # the wall clock stops sleeping this long before a deadline and y
 
 
 class Costs(Protocol):
-    """What the virtual clock charges compute by (``specter.costs.CostModel``)."""
+    """What the virtual clock charges compute by (``specter.timing.costs.CostModel``)."""
 
     def dense_s(self, positions: int, context: int) -> float: ...
 

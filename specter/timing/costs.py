@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specter.clock import WallClock, make_clock
 from specter.config import HostConfig, LinkConfig
-from specter.profiles import Profile
+from specter.timing.clock import WallClock, make_clock
+from specter.timing.profiles import Profile
 
 if TYPE_CHECKING:
     from specter.models.routing import Routing
@@ -115,7 +115,7 @@ class Timing:
     """A run's clock, link and host, resolved from the command line's ``--clock/--profile/--link/--rho``.
 
     Attributes:
-        clock: ``wall`` | ``virtual`` | ``measured`` (``specter/clock.py``).
+        clock: ``wall`` | ``virtual`` | ``measured`` (``specter/timing/clock.py``).
         link: the (simulated or virtual) link.
         host: the host's rate; None: the link's default host (a plain ``sim:`` link, no profile).
         costs: the cost model (the virtual clock only).
@@ -162,8 +162,8 @@ def resolve_timing(
     is scaled to this CPU's all-resident step (``step_s``, measured when None). Without a profile
     the virtual clock takes the one whose real model is of the checkpoint's family.
     """
-    from specter.clock import CLOCKS
-    from specter.profiles import PROFILES, default_profile
+    from specter.timing.clock import CLOCKS
+    from specter.timing.profiles import PROFILES, default_profile
 
     if clock not in CLOCKS:
         raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")

@@ -24,8 +24,8 @@ from actors.draft import DraftActor
 from actors.transfer import TransferActor
 from actors.verifier import VerifierActor
 from specter.config import LinkConfig, SlotConfig
-from specter.remote.channel import endpoint
-from specter.remote.shm import unlink_prefix
+from specter.remote.endpoints import endpoint
+from specter.remote.segments import unlink_prefix
 
 log = logging.getLogger(__name__)
 

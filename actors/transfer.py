@@ -28,10 +28,12 @@ from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.store import ExpertStore
 from specter.models.loader import build_dense, load_store
-from specter.remote.channel import Channel, private_ipc_dir
+from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
+from specter.remote.endpoints import private_ipc_dir
+from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shared_store import SharedArena, store_name
-from specter.remote.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.remote.shm import SharedSlots
 from specter.remote.transfer_server import TransferServer
 from specter.target import slot_groups
 

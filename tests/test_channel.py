@@ -31,14 +31,8 @@ from specter.protocol import (
     Welcome,
     encode,
 )
-from specter.remote.channel import (
-    Channel,
-    ChannelError,
-    ChannelTimeout,
-    check_endpoint,
-    endpoint,
-    private_ipc_dir,
-)
+from specter.remote.channel import Channel, ChannelError, ChannelTimeout
+from specter.remote.endpoints import check_endpoint, endpoint, private_ipc_dir
 
 # The peer process. "garbage": interleave good and bad frames, then wait for Shutdown.
 # "echo": send every message back until Shutdown.

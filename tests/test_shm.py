@@ -16,14 +16,8 @@ import msgspec
 import pytest
 import torch
 
-from specter.remote.shm import (
-    SharedSlots,
-    SharedSlotsError,
-    SlotsHandle,
-    SlotTimeout,
-    new_prefix,
-    unlink_prefix,
-)
+from specter.remote.segments import SharedSlotsError, new_prefix, unlink_prefix
+from specter.remote.shm import SharedSlots, SlotsHandle, SlotTimeout
 
 NUMEL = 4096
 

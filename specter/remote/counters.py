@@ -16,7 +16,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from specter.remote.shm import fence, shm_unlink
+from specter.remote.segments import fence, shm_unlink
 
 WORDS = 4  # bytes moved, busy seconds, transfers, due time of the transfer moving now
 
@@ -33,7 +33,7 @@ class SharedCounters:
         self.name = f"{prefix}-counters"
         self.owner = create
         self._shm = SharedMemory(self.name, create=create, size=8 * WORDS)
-        if sys.version_info < (3, 13):  # see specter.remote.shm._untrack
+        if sys.version_info < (3, 13):  # see specter.remote.segments._untrack
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._words = np.ndarray((WORDS,), dtype="<f8", buffer=self._shm.buf)
         if create:

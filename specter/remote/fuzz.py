@@ -36,7 +36,7 @@ import msgpack
 import zmq
 
 from specter import protocol as P
-from specter.remote.channel import check_endpoint
+from specter.remote.endpoints import check_endpoint
 
 ID_FLOOR = 1 << 30  # promote/drop ids from here up: far above any transfer id a verifier issues
 VALID_RATE = 0.002  # share of stray but fitting draft requests (they make the draft work)

@@ -22,7 +22,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from specter.remote.shm import SHM_DIR, SharedSlotsError, open_shared, shm_unlink
+from specter.remote.segments import SHM_DIR, SharedSlotsError, open_shared, shm_unlink
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,9 @@ side stores, fences, then loads the other side's word).
 
 from __future__ import annotations
 
-import _posixshmem
 import logging
-import os
-import re
-import secrets
-import sys
-import threading
 import time
 import weakref
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -34,10 +27,20 @@ import numpy as np
 import torch
 
 from specter.experts.slots import Key
+from specter.remote.segments import (
+    SharedSlotsError,
+    attach_shared,
+    check_prefix,
+    close_shared,
+    fence,
+    open_shared,
+    segment_name,
+    shm_unlink,
+    unlink_all,
+)
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 MAGIC = 0x544F4C5352545053  # b"SPTRSLOT" read as a little-endian int64
 LAYOUT_VERSION = 1
 HEADER_WORDS = 8  # magic, layout version, num_slots, numel, itemsize, 3 reserved
@@ -46,12 +49,8 @@ ROW_WORDS = 4
 EMPTY = -1  # LAYER/EXPERT of a slot that holds nothing
 SPIN_S = 50e-6  # wait_ready spins this long before it starts to sleep
 MAX_SLEEP_S = 1e-3
-_PREFIX = re.compile(r"[A-Za-z0-9_.-]{4,200}")
-_FENCE = threading.Lock()
 
 
-class SharedSlotsError(RuntimeError):
-    """Shared slots could not be created, attached or written."""
 
 
 class SlotTimeout(SharedSlotsError, TimeoutError):
@@ -87,22 +86,6 @@ class SlotsHandle(msgspec.Struct, frozen=True):
     cuda: CudaShare | None = None
 
 
-def new_prefix(tag: str = "specter") -> str:
-    """A fresh, unguessable name prefix: ``{tag}-{pid}-{random}``."""
-    return f"{tag}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def unlink_prefix(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove every shared-memory segment whose name starts with ``prefix`` (e.g. after the
-    creating process was killed); returns the names removed. Linux (``/dev/shm``) only."""
-    _check_prefix(prefix)
-    names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)] if os.path.isdir(shm_dir) else []
-    removed = [n for n in names if shm_unlink(n)]
-    if removed:
-        log.info("removed shared memory %s", ", ".join(removed))
-    return removed
-
-
 class SharedSlots:
     """``storage`` (num_slots, numel) plus the readiness table, shared between processes.
 
@@ -130,7 +113,7 @@ class SharedSlots:
         self._events: list[Any] = []
         self.storage = self._map_storage() if storage is None else storage
         names = [handle.table_name, handle.data_name]
-        self._unlinker = weakref.finalize(self, _unlink_all, names) if owner else None
+        self._unlinker = weakref.finalize(self, unlink_all, names) if owner else None
 
     # --- construction ----------------------------------------------------------------------
 
@@ -149,7 +132,7 @@ class SharedSlots:
             ValueError: bad sizes or prefix.
             SharedSlotsError: a segment of that name exists already.
         """
-        _check_prefix(name_prefix)
+        check_prefix(name_prefix)
         if num_slots < 1 or numel < 1:
             raise ValueError(f"num_slots and numel must be >= 1, got {num_slots} and {numel}")
         on_cuda = torch.device(device).type == "cuda"
@@ -158,7 +141,7 @@ class SharedSlots:
             data = None if on_cuda else open_shared(f"{name_prefix}-data", num_slots * numel * dtype.itemsize)
             dtype_name = str(dtype).removeprefix("torch.")
             handle = SlotsHandle(
-                name_prefix, num_slots, numel, dtype_name, _name(table), _name(data) if data else ""
+                name_prefix, num_slots, numel, dtype_name, segment_name(table), segment_name(data) if data else ""
             )
             _write_header(table, num_slots, numel, dtype.itemsize)
             if on_cuda:
@@ -166,8 +149,8 @@ class SharedSlots:
             return cls(handle, table, data, owner=True)
         except BaseException:
             for shm in (data, table):
-                _close(shm)
-                shm_unlink(_name(shm) if shm else "")
+                close_shared(shm)
+                shm_unlink(segment_name(shm) if shm else "")
             raise
 
     @classmethod
@@ -177,11 +160,11 @@ class SharedSlots:
         Raises:
             SharedSlotsError: a segment is missing or does not match the handle.
         """
-        table = _attach(handle.table_name)
+        table = attach_shared(handle.table_name)
         _check_header(table, handle)
         if handle.cuda is not None:
             return _CudaSlots(handle, table, None, owner=False)
-        return cls(handle, table, _attach(handle.data_name), owner=False)
+        return cls(handle, table, attach_shared(handle.data_name), owner=False)
 
     def _map_storage(self) -> torch.Tensor:
         assert self._data_shm is not None
@@ -304,11 +287,11 @@ class SharedSlots:
         self.table = np.empty((0, ROW_WORDS), dtype="<i8")
         self._events = []
         for shm in (self._data_shm, self._table_shm):
-            _close(shm)
+            close_shared(shm)
 
     def unlink(self) -> None:
         """Remove the segments' names (either side may; mappings stay valid until closed)."""
-        _unlink_all([self.handle.table_name, self.handle.data_name])
+        unlink_all([self.handle.table_name, self.handle.data_name])
         if self._unlinker is not None:
             self._unlinker.detach()
 
@@ -373,54 +356,11 @@ class _CudaSlots(SharedSlots):
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def fence() -> None:
-    """A full memory barrier: a lock's acquire/release is an atomic read-modify-write that neither
-    the CPU nor the C compiler moves loads or stores across (docs/wire.md, "Fences")."""
-    _FENCE.acquire()
-    _FENCE.release()
-
-
-def _check_prefix(prefix: str) -> None:
-    if not _PREFIX.fullmatch(prefix):
-        raise ValueError(f"shared memory prefix {prefix!r}: use 4-200 letters, digits, '_', '.', '-'")
-
-
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise SharedSlotsError(f"unknown dtype {name!r} in a slots handle")
     return dtype
-
-
-def _name(shm: SharedMemory) -> str:
-    return shm.name.lstrip("/")
-
-
-def _untrack(shm: SharedMemory) -> None:
-    """Before 3.13 even an attached segment is tracked, and unlinked when *this* process exits."""
-    if sys.version_info < (3, 13):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-
-
-def open_shared(name: str, size: int) -> SharedMemory:
-    """Create a 0600 shared-memory segment of ``size`` bytes, untracked by multiprocessing (the owner unlinks it)."""
-    try:
-        shm = SharedMemory(name, create=True, size=max(size, 1))
-    except FileExistsError:
-        raise SharedSlotsError(
-            f"shared memory {name!r} exists already: use a fresh prefix (new_prefix())"
-        ) from None
-    _untrack(shm)
-    return shm
-
-
-def _attach(name: str) -> SharedMemory:
-    try:
-        shm = SharedMemory(name)
-    except FileNotFoundError:
-        raise SharedSlotsError(f"shared memory {name!r} does not exist (creator gone or unlinked?)") from None
-    _untrack(shm)
-    return shm
 
 
 def _write_header(table: SharedMemory, num_slots: int, numel: int, itemsize: int) -> None:
@@ -437,35 +377,9 @@ def _check_header(table: SharedMemory, handle: SlotsHandle) -> None:
     del header
     want = (MAGIC, LAYOUT_VERSION, handle.num_slots, handle.numel, _dtype(handle.dtype).itemsize)
     if found != want:
-        _close(table)
+        close_shared(table)
         raise SharedSlotsError(
             f"shared memory {handle.table_name!r} does not match its handle: {found} != {want}"
         )
 
 
-def _close(shm: SharedMemory | None) -> None:
-    if shm is None:
-        return
-    try:
-        shm.close()
-    except BufferError:  # a view of the storage is still alive somewhere; unmapped at exit
-        log.warning("shared memory %s is still referenced; it stays mapped until those views die", shm.name)
-
-
-def shm_unlink(name: str) -> bool:
-    """Unlink one segment; False when there is none (or it is another user's)."""
-    if not name:
-        return False
-    try:
-        _posixshmem.shm_unlink("/" + name.lstrip("/"))
-    except FileNotFoundError:
-        return False
-    except PermissionError:
-        log.warning("shared memory %s belongs to someone else; left alone", name)
-        return False
-    return True
-
-
-def _unlink_all(names: list[str]) -> None:
-    for name in names:
-        shm_unlink(name)

@@ -20,11 +20,13 @@ from specter.experts.store import ExpertShape, ExpertStore
 from specter.models.loader import build_dense, load_store
 from specter.plan import make_policy
 from specter.protocol import DropFetch, FetchExpert, PlanDelta, PromoteFetch
-from specter.remote.channel import Channel, private_ipc_dir
+from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
+from specter.remote.endpoints import private_ipc_dir
 from specter.remote.experts import RemoteExperts
 from specter.remote.link import RemoteLink
-from specter.remote.shm import SharedSlots, new_prefix, unlink_prefix
+from specter.remote.segments import new_prefix, unlink_prefix
+from specter.remote.shm import SharedSlots
 from specter.remote.transfer_server import OUT_OF_RANGE, UNEXPECTED, UNKNOWN_ID, TransferServer
 from specter.target import OffloadedTarget, slot_groups
 

@@ -1,6 +1,6 @@
 """``specter quantize``: make an int4 (AWQ or RTN) or int8 draft folder from a target checkpoint.
 
-Wired into ``specter/cli.py`` with ``add_quantize_command(commands)`` and, for
+Wired into ``specter/cli/`` (``args.py``) with ``add_quantize_command(commands)`` and, for
 ``args.command == "quantize"``, ``return run_quantize(args)``. Bad flags exit 2 with one line
 naming the flag; a missing model folder, an unsupported architecture or a failed load exit 1
 with one line naming the thing at fault. Neither prints a traceback.

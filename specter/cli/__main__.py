@@ -1,0 +1,7 @@
+"""``python -m specter.cli …`` is ``specter …``."""
+
+import sys
+
+from specter.cli import main
+
+sys.exit(main())

@@ -1,0 +1,251 @@
+"""The command line's flags: argument types that name the flag and what was expected, and the
+parser of every command."""
+
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+import torch
+
+from specter.assets import DEFAULT_MODEL
+from specter.config import LinkConfig, SlotConfig, parse_bytes
+from specter.draft.quantize.cli import add_quantize_command, positive_int
+from specter.plan import OPTIONS, POLICIES, policy_class
+from specter.timing.clock import CLOCKS
+from specter.timing.profiles import PROFILES
+
+# transformers, ray, the engine, the target, the benchmark and the actors are imported inside the
+# commands that use them (each 0.5-7 s to import here): `specter --help` costs torch's import only.
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fraction(text: str) -> SlotConfig:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the routed experts in (0, 1], got {text!r}") from None
+    try:
+        return SlotConfig(fraction=value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("budget: ")) from None
+
+
+def _link(text: str) -> LinkConfig | str:
+    if text in PROFILES:
+        return text  # resolved once the model is known: the profile's rho on this machine
+    try:
+        return LinkConfig.parse(text)
+    except ValueError as exc:
+        reason = str(exc).removeprefix("link: ")
+        raise argparse.ArgumentTypeError(f"{reason} or a profile: {', '.join(PROFILES)}") from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _policy(text: str) -> str:
+    try:
+        policy_class(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("policy: ")) from None
+    return text
+
+
+_POLICY_HELP = f"prefetch policy NAME[+OPTION...]: {', '.join(sorted(POLICIES))}; options {', '.join(OPTIONS)}"
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}") from None
+    return ids
+
+
+def _positive_number(text: str, what: str) -> float:
+    """``text`` as a positive, finite float; the error names ``what`` was expected."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite {what}, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse type)."""
+    return _positive_number(text, "number of seconds")
+
+
+def _add_threads(command: argparse.ArgumentParser, extra: str = "") -> None:
+    command.add_argument("--threads", type=positive_int, default=None,
+                         help="torch compute threads in this process (default: OMP_NUM_THREADS, else one core "
+                              "fewer than the machine has: the link's thread keeps one"
+                              + (f"; {extra}" if extra else "") + "); the actors run one each")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specter", description="Speculative expert offloading for MoE models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", help="generate text on an offloaded target")
+    gen.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
+    gen.add_argument("--draft", default=None,
+                     help="draft folder: an AWQ draft from `specter quantize` or any full-precision checkpoint")
+    gen.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
+    gen.add_argument("--window", type=int, default=None,
+                     help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies); "
+                          "for specter the cap of the K it chooses per round (0 included; default 32)")
+    gen.add_argument("--budget", type=_fraction, default=None,
+                     help="device expert slots as a fraction of all routed experts, 0 < F <= 1 "
+                          "(default 0.5 on a CPU; from --device-memory or the GPU's free memory on a GPU)")
+    gen.add_argument("--device-memory", type=_size, default=None,
+                     help="plan this much device memory (e.g. 24GiB): dense parts, draft, KV, then slots")
+    gen.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
+    gen.add_argument("--link", type=_link, default=None,
+                     help="cuda | PROFILE (e.g. mixtral-pcie4: its offload pressure on this machine) | "
+                          "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
+    _add_timing(gen)
+    _add_threads(gen)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="compute dtype (default: checkpoint's)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
+    source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    gen.add_argument("--json", action="store_true", help="end with one JSON line: tokens, text, stats")
+    gen.add_argument("--address", default=None,
+                     help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
+                          "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
+    gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
+                     help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
+    _add_batch(commands)
+    _add_bench(commands)
+    add_quantize_command(commands)
+    return parser
+
+
+def _profile_name(text: str) -> str:
+    if text not in PROFILES:
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}")
+    return text
+
+
+def _positive(text: str) -> float:
+    """A positive, finite number (argparse type)."""
+    return _positive_number(text, "number")
+
+
+def _add_timing(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--clock", choices=CLOCKS, default="wall",
+                         help="wall: real time (default); virtual: compute charged from the profile's GPU cost "
+                              "model, link and host as discrete events, nothing sleeps (docs/benchmark.md); "
+                              "measured: virtual link and host, compute at its measured CPU time")
+    command.add_argument("--profile", type=_profile_name, default=None,
+                         help="a named profile's link and host (on the virtual clock also its GPU's proportions), "
+                              "docs/profiles.md; default on the virtual clock: the one of the model's family")
+    command.add_argument("--rho", type=_positive, default=None,
+                         help="set the link's bandwidth so that the offload pressure is R for this model under "
+                              "the profile (replaces the profile's link)")
+
+
+
+
+def _add_batch(commands: argparse._SubParsersAction) -> None:
+    batch = commands.add_parser(
+        "batch", help="generate for every prompt of a JSONL file through N replicas of the Ray actors",
+        description="Input lines: {\"id\", \"prompt\"} with optional max_new_tokens, temperature, seed. "
+                    "Output lines: {\"id\", \"text\", \"tokens\", \"stats\"}, appended and fsynced as each "
+                    "prompt finishes; a re-run resumes, skipping finished ids. Failed prompts go to "
+                    "OUT.errors.jsonl and are retried by the next run.",
+    )
+    batch.add_argument("input", metavar="INPUT", help="prompts JSONL")
+    batch.add_argument("--out", required=True, help="results JSONL (appended; finished ids are skipped)")
+    batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
+    batch.add_argument("--draft", default=None, help="draft folder (AWQ draft or full-precision checkpoint)")
+    batch.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
+    batch.add_argument("--window", type=int, default=None,
+                       help="draft tokens per round K, 1..64 (specter: the cap of its per-round K)")
+    batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
+    batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
+    batch.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
+    batch.add_argument("--profile", type=_profile_name, default=None,
+                       help="a named profile's link and host, scaled to this CPU (as --link PROFILE)")
+    batch.add_argument("--max-new-tokens", type=positive_int, default=32, help="default for lines without one")
+    batch.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
+    batch.add_argument("--top-p", type=float, default=1.0)
+    batch.add_argument("--top-k", type=int, default=0)
+    batch.add_argument("--seed", type=int, default=0, help="default for lines without one")
+    batch.add_argument("--address", default="local",
+                       help="'local' (start a local Ray, the default), 'auto' (the running cluster, e.g. inside "
+                            "`ray job submit`) or HOST:PORT")
+    batch.add_argument("--replicas", type=positive_int, default=1,
+                       help="engine trios (one per GPU on a GPU cluster, spread over the nodes)")
+    batch.add_argument("--on-bad-line", choices=("skip", "stop"), default="skip",
+                       help="a malformed input line: report it and go on (skip), or report all and stop before "
+                            "any work (stop)")
+    batch.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds one prompt may take before its replica is restarted and the prompt retried")
+    batch.add_argument("--retries", type=int, default=2, help="retries of a prompt whose replica failed")
+    batch.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
+    batch.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of a local Ray")
+    batch.add_argument("--connect-timeout", type=_seconds, default=30.0,
+                       help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="every policy side by side on the same prompts")
+    bench.add_argument("--model", default=str(DEFAULT_MODEL))
+    bench.add_argument("--draft", default=None, help="draft folder (default: the model's shipped AWQ draft)")
+    bench.add_argument("--prompts", default=None, help="JSONL with a 'prompt' per line (default: shipped held-out)")
+    bench.add_argument("--num-prompts", type=positive_int, default=20)
+    bench.add_argument("--new-tokens", type=positive_int, default=128)
+    bench.add_argument("--profiles", default="qwen2moe-pcie4,dsv2lite-pcie4",
+                       help=f"comma-separated, from: {', '.join(PROFILES)}")
+    bench.add_argument("--policies", default=",".join(POLICIES))
+    bench.add_argument("--budget", type=_fraction, default=None,
+                       help="device expert slots, 0 < F <= 1, for every profile (default: each profile's own, "
+                            "docs/profiles.md)")
+    bench.add_argument("--per-layer", action="store_true")
+    bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
+                       help="override a policy's K, e.g. --window specter-paper=6 (repeatable; "
+                            "for specter the cap of its per-round K)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
+    bench.add_argument("--actors", action="store_true",
+                       help="add a 'specter@actors' column: specter through the Ray actors, same prompts")
+    bench.add_argument("--step-s", type=float, default=None,
+                       help="wall and measured clocks: the CPU's all-resident step time (s) that link and host are "
+                            "scaled to (default: measure it; on a busy machine the measurement is slow)")
+    _add_threads(bench, "on the virtual clock 1 (its figures do not depend on threads)")
+    bench.add_argument("--clock", choices=("virtual", "wall", "measured"), default="virtual",
+                       help="virtual (default): compute charged from each profile's GPU cost model, nothing "
+                            "sleeps, the same ratios on any machine; wall: real time (the actors column); "
+                            "measured: virtual link and host, compute at its measured CPU time")
+    bench.add_argument("--rho", type=_positive, default=None,
+                       help="set every profile's link so that the offload pressure is R (default: the profile's)")
+    bench.add_argument("--draft-mode", choices=("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly"),
+                       default=None, help="the draft's expert mode (default: auto on the wall clock, else "
+                                          "dequant-cache: a timed choice varies the draft's tokens)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")

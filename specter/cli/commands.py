@@ -1,0 +1,298 @@
+"""What each command does once its flags are parsed: ``generate`` (in process or through the
+actors), ``batch`` and ``bench``."""
+
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specter.cli.args import _DTYPES
+from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
+from specter.draft.loading import check_draft_matches, load_draft
+from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
+from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
+from specter.plan import POLICIES, drafts, policy_class
+from specter.timing.costs import Timing, resolve_timing
+from specter.timing.profiles import PROFILES
+
+
+def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool = False):  # type: ignore[no-untyped-def]
+    """The run's clock, link and host from --clock/--profile/--link/--rho (``specter.timing.costs.Timing``)."""
+    profile, clock, rho = getattr(args, "profile", None), getattr(args, "clock", "wall"), getattr(args, "rho", None)
+    link = args.link
+    if isinstance(link, str):  # --link PROFILE: that profile's link (and host), as before --profile
+        if profile is not None and profile != link:
+            parser.error(f"argument --link: names profile {link!r} but --profile is {profile!r}")
+        profile, link = link, None
+    if getattr(args, "address", None) is not None and clock != "wall":
+        parser.error(f"argument --clock: the actors run on the wall clock; {clock!r} is in process only")
+    if getattr(args, "address", None) is not None and rho is not None:
+        parser.error("argument --rho: not available through the actors yet; use --link sim:GBPS")
+    if link is not None and rho is not None:
+        parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
+    if rho is not None and profile is None and clock != "virtual":
+        parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
+    if cuda and clock == "wall" and profile is None and link is None:
+        return Timing("wall", LinkConfig(kind="cuda"))
+    timing = resolve_timing(args.model, clock, profile, link, rho)
+    if timing.profile is not None or clock != "wall":  # a plain wall-clock run says nothing extra
+        print(timing.describe(), file=sys.stderr)
+    return timing
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specter.eval import bench
+    from specter.eval.prompts import load_prompts
+
+    profiles = [p for p in args.profiles.split(",") if p]
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown:
+        parser.error(f"argument --profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
+    policies = [p for p in args.policies.split(",") if p]
+    for name in policies:
+        try:
+            policy_class(name)
+        except ValueError as exc:
+            parser.error(f"argument --policies: {str(exc).removeprefix('policy: ')}")
+    windows: dict[str, int] = {}
+    for item in args.window:
+        name, _, k = item.partition("=")
+        if name.split("+")[0] not in POLICIES or not k.isdigit() or not 0 < int(k) <= 64:
+            parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
+        windows[name] = int(k)
+    count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
+    if args.actors and args.clock != "wall":
+        parser.error("argument --actors: the actors column runs on the wall clock; add --clock wall")
+    sampling = _sampling(args, parser)
+    loaded = load_prompts(args.model, args.prompts, count + 2)  # the K scan's two come after the benchmark's
+    prompts, scan = loaded[:count], loaded[count:]
+    draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
+    budget = args.budget.fraction if args.budget is not None else None
+    config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, budget,
+                               args.per_layer, tokens)
+    if args.quick:
+        config.k_candidates = (4, 8)
+    config.actors = args.actors
+    config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
+    config.draft_mode = args.draft_mode
+    if args.step_s is not None:
+        if not args.step_s > 0:
+            parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
+        config.step_s = args.step_s
+    if args.clock == "virtual" and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
+    else:
+        torch.set_num_threads(compute_threads(args.threads))
+    results = bench.run(config)
+    print(bench.table(results))
+    print()
+    for claim, ok, numbers in bench.bar(results):
+        print(f"{'PASS' if ok else 'FAIL'}  {claim}: {numbers}")
+    for path in bench.save(results, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
+def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    needs_draft = drafts(args.policy)
+    default = policy_class(args.policy).default_window
+    window = args.window if args.window is not None else (default if args.draft else 0)
+    if needs_draft and args.draft is None:
+        parser.error(f"argument --draft: policy {args.policy!r} needs a draft model (--draft DIR)")
+    if not 0 <= window <= 64:
+        parser.error(f"argument --window: K must be in 0..64, got {window}")
+    if window > 0 and args.draft is None:
+        parser.error("argument --window: K > 0 needs a draft model (--draft DIR)")
+    if needs_draft and window == 0:
+        parser.error(f"argument --window: policy {args.policy!r} drafts, so K must be >= 1")
+    return window
+
+
+def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingConfig:
+    try:
+        return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=getattr(args, "top_k", 0),
+                              seed=getattr(args, "seed", 0))
+    except ValueError as exc:
+        field, reason = str(exc).split(": ", 1)
+        parser.error(f"argument --{field.replace('_', '-')}: {reason}")
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    sampling = _sampling(args, parser)
+    window = _window(args, parser)
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("argument --prompt: must not be empty")
+    if args.address is not None and args.device_memory is not None:
+        parser.error("argument --device-memory: not available with --address yet; use --budget")
+    if args.address is None:
+        torch.set_num_threads(compute_threads(args.threads))
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    timing = _timing(args, parser, cuda)
+    if args.draft is not None:
+        check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
+                            read_config_dict(resolve_model_dir(args.model)))
+    budget = None
+    if args.budget is not None or (args.device_memory is None and not cuda):
+        budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
+    run = _through_actors if args.address is not None else _in_process
+    tokens, text, stats = run(args, parser, timing, budget, window, sampling)
+    if args.json:
+        print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))
+        return 0
+    print((args.prompt or "") + text if text or args.prompt else " ".join(map(str, tokens)))
+    spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
+    where = f" via actors at {args.address}" if args.address else ""
+    print(
+        f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms "
+        f"({stats.get('clock', 'wall')} clock), hit rate "
+        f"{stats['hit_rate']:.2f} ({stats['hits']} hits, {stats['inflight']} in flight, {stats['misses']} misses), "
+        f"{stats['bytes_moved'] / 1e6:.1f} MB moved, link busy {stats['link_busy_fraction']:.0%}{spec}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise CheckpointError(f"{args.model} has no tokenizer; pass --prompt-ids instead of --prompt")
+        return list(tokenizer.encode(args.prompt))
+    if max(args.prompt_ids) >= vocab:
+        parser.error(f"argument --prompt-ids: token id {max(args.prompt_ids)} is outside the vocabulary (size {vocab})")
+    return list(args.prompt_ids)
+
+
+def _eos(model: str) -> int | None:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        return None
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
+    """The engine in this process (tests, profiling)."""
+    from specter.engine import Engine
+    from specter.eval.bench import FIXED_DRAFT_MODE
+    from specter.target import MemoryRequest, OffloadedTarget
+
+    mode = "auto" if timing.clock == "wall" else FIXED_DRAFT_MODE  # timed choices would vary the tokens
+    draft = load_draft(args.draft, device=args.device, mode=mode) if args.draft is not None else None
+    memory = MemoryRequest(args.device_memory, getattr(draft, "device_bytes", 0), window=window)
+    target = OffloadedTarget.load(args.model, budget, timing.link, args.policy, device=args.device,
+                                  dtype=_DTYPES.get(args.dtype or ""), memory=memory, clock=timing.make_clock())
+    if target.memory_plan is not None:
+        print(target.memory_plan.describe(), file=sys.stderr)
+    if timing.host is not None:  # the profile's host (docs/profiles.md)
+        target.offload.set_host(timing.host)
+    try:
+        tokenizer = target.tokenizer
+        prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
+        engine = Engine(target, draft, window)
+        tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model))
+    finally:
+        target.close()
+    text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
+    return tokens, text, stats.to_dict()
+
+
+def _through_actors(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
+    """The three Ray actors (a local Ray, or a running cluster)."""
+    link = timing.link
+    from actors.client import Client
+
+    vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
+    address = None if args.address == "none" else args.address
+    with Client(args.model, args.draft, budget, link, args.policy, address=address,
+                connect_timeout_s=args.connect_timeout, host_profile=timing.profile) as client:
+        prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
+        out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
+                              window=window, eos_token_id=_eos(args.model))[0]
+    return out["tokens"], out["text"], out["stats"]
+
+
+def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``specter batch``: validate everything, resume, then hand prompts out to the replicas."""
+    import ray
+
+    from specter.target import load_tokenizer
+
+    sampling = _sampling(args, parser)
+    window = _window(args, parser)
+    if args.request_timeout <= 0 or args.timeout <= 0:
+        parser.error("argument --request-timeout/--timeout: must be > 0 seconds")
+    if args.retries < 0:
+        parser.error(f"argument --retries: must be >= 0, got {args.retries}")
+    model_config = read_config_dict(resolve_model_dir(args.model))
+    if args.draft is not None:
+        check_draft_matches(read_config_dict(resolve_model_dir(args.draft)), model_config)
+    items, bad = read_batch(args.input, args.max_new_tokens, sampling.temperature, sampling.seed)
+    if not _report_bad_lines(args, bad):
+        return 1
+    results = ResultsFile(args.out)
+    if results.repaired:
+        print(f"specter batch: cut a torn last line ({results.repaired} bytes) off {args.out}", file=sys.stderr)
+    todo = [item for item in items if item.id not in results.done]
+    print(f"specter batch: {len(items)} prompts in {args.input}, {len(items) - len(todo)} already in {args.out}, "
+          f"{len(todo)} to run on {args.replicas} replica(s)", file=sys.stderr)
+    if not todo:
+        results.close()
+        return 1 if bad and args.on_bad_line == "stop" else 0
+    timing = _timing(args, parser)  # the actors' wall clock; a profile's link comes with its host
+    link, host_profile = timing.link, timing.profile
+    budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    if tokenizer is None:
+        raise CheckpointError(f"{args.model} has no tokenizer; batch prompts are text")
+    from actors.batch import BatchOptions, run_batch
+    from actors.cluster import init_ray
+
+    options = BatchOptions(
+        str(args.model), args.draft, budget, link, args.policy, window, sampling.top_p, sampling.top_k,
+        _eos(args.model), args.replicas, args.request_timeout, args.retries, args.timeout, host_profile,
+    )
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        init_ray(args.address, args.num_cpus, args.connect_timeout)
+    t0 = time.monotonic()
+    progress = Progress(len(todo))
+    try:
+        report = run_batch(items, results, args.out, options, lambda text: list(tokenizer.encode(text)),
+                           lambda ids: str(tokenizer.decode(ids)), progress)
+    finally:
+        progress.close()
+        results.close()
+        if owns_ray:
+            ray.shutdown()
+    wall = time.monotonic() - t0
+    print(f"specter batch: {report.finished} finished, {report.failed} failed, {report.skipped} skipped (done "
+          f"before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
+          f"({report.tokens / max(wall, 1e-9):.1f} tok/s) -> {args.out}", file=sys.stderr)
+    if report.failed:
+        print(f"specter batch: failures are in {errors_path(args.out)}; re-run the same command to retry them",
+              file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+def _report_bad_lines(args: argparse.Namespace, bad: list) -> bool:
+    """Print the input's bad lines; False (run nothing) under ``--on-bad-line stop``, else record
+    them in the errors file and go on."""
+    for error in bad:
+        print(f"specter batch: bad line: {error}", file=sys.stderr)
+    if bad and args.on_bad_line == "stop":
+        print(f"specter batch: {len(bad)} bad line(s) in {args.input}; nothing run (--on-bad-line stop)",
+              file=sys.stderr)
+        return False
+    for error in bad:
+        append_error(args.out, {"line": error.line, "error": str(error)})
+    return True

@@ -112,9 +112,9 @@ def test_slot_pool_on_given_storage_uses_it_and_refuses_a_wrong_shape() -> None:
 def test_slot_pool_answers_for_its_state() -> None:
     shape = ExpertShape(hidden=4, intermediate=2, dtype=torch.float32)
     pool = SlotPool(shape, {0: 2, 1: 1})
-    assert pool.empty_slot(0) == 0 and pool.empty_slot(1) == 2
+    assert pool.empty_slot(0) == 0 and pool.empty_slot(1) == 2 and pool.empty_count(0) == 2
     pool.place((0, 5), 0, torch.ones(shape.numel))
-    assert pool.holds((0, 5)) and not pool.holds((0, 6)) and pool.empty_slot(0) == 1
+    assert pool.holds((0, 5)) and not pool.holds((0, 6)) and pool.empty_slot(0) == 1 and pool.empty_count(0) == 1
     link = SimulatedLink(bandwidth=1e12)
     try:
         transfer = link.submit((1, 3), 2, torch.ones(shape.numel), pool.slot_tensor(2), PREFETCH)
@@ -126,7 +126,11 @@ def test_slot_pool_answers_for_its_state() -> None:
     finally:
         link.close()
     assert torch.all(pool.slot_tensor(2) == 1) and pool.loading_keys() == []
+    assert pool.recency_rank() == {(0, 5): 0, (1, 3): 1}  # (1, 3) was used last
+    pool.touch((0, 5))
+    assert pool.recency_rank() == {(1, 3): 0, (0, 5): 1}
     pool.pin((0, 5))
     assert pool.is_pinned((0, 5)) and not pool.is_pinned((1, 3)) and not pool.is_pinned((0, 9))
+    assert pool.unpinned_per_group() == {0: 1, 1: 1}
     pool.unpin((0, 5))
     assert not pool.is_pinned((0, 5)) and pool.device.type == "cpu"

@@ -91,6 +91,18 @@ class SlotPool:
         """A slot of ``layer``'s group that holds nothing, if any."""
         return next((s for s in self.group_slots[self.group_of(layer)] if self.owner[s] is None), None)
 
+    def empty_count(self, layer: int) -> int:
+        """How many slots of ``layer``'s group hold nothing."""
+        return sum(self.owner[s] is None for s in self.group_slots[self.group_of(layer)])
+
+    def unpinned_per_group(self) -> dict[int, int]:
+        """Per slot group, the slots no running layer reads (room for what the policy keeps)."""
+        return {g: sum(1 for s in slots if not self.pins[s]) for g, slots in self.group_slots.items()}
+
+    def recency_rank(self) -> dict[Key, int]:
+        """Every resident expert's rank by last use: 0 the least recently used."""
+        return {k: i for i, k in enumerate(self.recency)}
+
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s memory (where a blob is copied to)."""
         return self.storage[slot]

@@ -36,12 +36,12 @@ def prefetch(
     victims: dict[int, list[Key]] = {}  # per slot group: the evictable, furthest next use last
     empty: dict[int, int] = {}  # per slot group: its empty slots (a fetch fills one before it evicts)
     for key in keys:
-        if key in pool.where:
+        if pool.holds(key):
             continue
         choose = None
         group = pool.group_of(key[0])
         if group not in empty:
-            empty[group] = sum(pool.owner[s] is None for s in pool.group_slots[group])
+            empty[group] = pool.empty_count(key[0])
         if next_use is not None and not empty[group]:
             if group not in victims:  # ties: the first in slot order goes first, as max() would pick
                 ranked = sorted(enumerate(pool.evictable(key[0], protect)), key=lambda c: (next_use(c[1]), -c[0]))

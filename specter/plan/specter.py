@@ -145,7 +145,7 @@ class Specter(Policy):
         are cancelled, and the others are evicted before the kept ones.
         """
         assert self.offload is not None
-        self._rank = {k: i for i, k in enumerate(self.offload.pool.recency)}
+        self._rank = self.offload.pool.recency_rank()
         ahead = [k for k in self.plan.counts if self.position[k[0]] > self.current]
         if self.value_order:
             self._kept = set(self.select(ahead))
@@ -175,13 +175,13 @@ class Specter(Policy):
         now = offload.clock.now()
         transfer = offload.link.estimate_s(offload.store.shape.nbytes)
         host = offload.host if self.host_compute else None
-        room = {g: sum(1 for slot in slots if not pool.pins[slot]) for g, slots in pool.group_slots.items()}
+        room = pool.unpinned_per_group()
         scored = []
         own_queued = 0
         by_votes: dict[int, tuple[float, float]] = {}  # votes → (value, host seconds); few distinct counts
         by_layer: dict[int, float] = {}  # layer → when the verify pass reaches it
         for key in ahead:
-            loading = pool.loading.get(key)
+            loading = pool.transfer_of(key)
             votes = self.plan.counts[key]
             if votes not in by_votes:
                 on_host = math.inf if host is None else host.expert_s(votes)
@@ -189,7 +189,7 @@ class Specter(Policy):
             if key[0] not in by_layer:
                 by_layer[key[0]] = self.deadline(key, now)
             value, on_host = by_votes[votes]
-            moving = key not in pool.where or (loading is not None and not loading.started)
+            moving = not pool.holds(key) or (loading is not None and not loading.started)
             own_queued += loading is not None and not loading.started
             # it still saves time if it lands before the host could have computed it there (a
             # demand fetch would land later than a prefetch in any case)
@@ -229,7 +229,7 @@ class Specter(Policy):
     def fetch_later(self, keys: list[Key]) -> None:
         """Host-computed experts go into slots only in place of ones needed later still."""
         assert self.offload is not None
-        self._rank = {k: i for i, k in enumerate(self.offload.pool.recency)}
+        self._rank = self.offload.pool.recency_rank()
         for key in keys:  # just used: the most recent of all
             self._rank[key] = len(self._rank)
         self._issued.update(prefetch(self.offload, keys, set(), self.next_use))
@@ -247,5 +247,5 @@ class Specter(Policy):
 
     def choose_victim(self, candidates: list[Key]) -> Key:
         assert self.offload is not None
-        self._rank = {k: i for i, k in enumerate(self.offload.pool.recency)}
+        self._rank = self.offload.pool.recency_rank()
         return max(candidates, key=self.next_use)

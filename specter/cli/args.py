@@ -16,9 +16,7 @@ from specter.plan import OPTIONS, POLICIES, policy_class
 from specter.timing.clock import CLOCKS
 from specter.timing.profiles import PROFILES
 
-# transformers, ray, the engine, the target, the benchmark and the actors are imported inside the
-# commands that use them (each 0.5-7 s to import here): `specter --help` costs torch's import only.
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="compute dtype (default: checkpoint's)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: checkpoint's)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")

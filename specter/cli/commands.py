@@ -1,6 +1,9 @@
 """What each command does once its flags are parsed: ``generate`` (in process or through the
-actors), ``batch`` and ``bench``."""
+actors), ``batch`` and ``bench``.
 
+transformers, ray, the engine, the target, the benchmark and the actors are imported inside the
+commands that use them (each 0.5-7 s to import here): `specter --help` costs torch's import only.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specter.cli.args import _DTYPES
+from specter.cli.args import DTYPES
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
@@ -189,7 +192,7 @@ def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore
     draft = load_draft(args.draft, device=args.device, mode=mode) if args.draft is not None else None
     memory = MemoryRequest(args.device_memory, getattr(draft, "device_bytes", 0), window=window)
     target = OffloadedTarget.load(args.model, budget, timing.link, args.policy, device=args.device,
-                                  dtype=_DTYPES.get(args.dtype or ""), memory=memory, clock=timing.make_clock())
+                                  dtype=DTYPES.get(args.dtype or ""), memory=memory, clock=timing.make_clock())
     if target.memory_plan is not None:
         print(target.memory_plan.describe(), file=sys.stderr)
     if timing.host is not None:  # the profile's host (docs/profiles.md)

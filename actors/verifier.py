@@ -178,10 +178,8 @@ class VerifierActor:
         loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
         self._loaded = None
         groups = slot_groups(self.budget, loaded)
-        if sum(groups.values()) != self.slots.num_slots:
-            raise RuntimeError(
-                f"slots: the verifier sizes {sum(groups.values())} slots, the transfer actor {self.slots.num_slots}"
-            )
+        if (count := sum(groups.values())) != self.slots.num_slots:
+            raise RuntimeError(f"slots: the verifier sizes {count} slots, the transfer actor {self.slots.num_slots}")
         pool = SlotPool(loaded.shape, groups, DEVICE, storage=self.slots.storage)
         store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, arena=self.arena.tensor)
         offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)

@@ -30,7 +30,7 @@ def compute_threads(requested: int | None = None) -> int:
 
     The link's worker thread (and the host's experts) need a core of their own: measured on this
     project's 2-core machine (``scripts/draft_cost.py``, ``docs/draft.md``), two intra-op threads
-    next to the link thread made a draft step inside the round 2.6x slower than one thread did.
+    next to the link thread made a draft step inside the round 2.4-3x dearer than one thread did.
     """
     if requested is not None:
         if requested < 1:

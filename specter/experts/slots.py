@@ -163,8 +163,7 @@ class SlotPool:
 
         Returns None when every slot of the group is pinned, loading or protected.
         """
-        slots = self.group_slots[self.group_of(key[0])]
-        empty = next((s for s in slots if self.owner[s] is None), None)
+        empty = self.empty_slot(key[0])
         if empty is not None:
             return empty
         candidates = self.evictable(key[0], protect)

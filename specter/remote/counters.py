@@ -10,13 +10,9 @@ counters that include it, and can tell, as in process, when the link is free aga
 
 from __future__ import annotations
 
-import sys
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
-
 import numpy as np
 
-from specter.remote.segments import fence, shm_unlink
+from specter.remote.segments import attach_shared, fence, open_shared, shm_unlink
 
 WORDS = 4  # bytes moved, busy seconds, transfers, due time of the transfer moving now
 
@@ -32,9 +28,7 @@ class SharedCounters:
     def __init__(self, prefix: str, create: bool):
         self.name = f"{prefix}-counters"
         self.owner = create
-        self._shm = SharedMemory(self.name, create=create, size=8 * WORDS)
-        if sys.version_info < (3, 13):  # see specter.remote.segments._untrack
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._shm = open_shared(self.name, 8 * WORDS) if create else attach_shared(self.name)
         self._words = np.ndarray((WORDS,), dtype="<f8", buffer=self._shm.buf)
         if create:
             self._words[:] = 0.0

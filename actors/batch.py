@@ -45,6 +45,7 @@ class BatchOptions:
     retries: int = 2
     timeout_s: float = 60.0
     host_profile: str | None = None  # the profile whose host computes late experts (``launch``'s)
+    pipelined: bool = True  # the draft drafts each next round while this one is verified
 
 
 @dataclass
@@ -214,6 +215,7 @@ def _submit(
         window=options.window,
         policy=options.policy,
         eos_token_id=options.eos_token_id,
+        pipelined=options.pipelined,
     )
     replica.busy = (ref, item, attempt, time.monotonic())
 

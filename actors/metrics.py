@@ -49,6 +49,8 @@ METRICS = [
     Metric("specter_link_busy_fraction", "gauge", "fraction of the last request's time the link was busy"),
     Metric("specter_queue_depth", "gauge", "prompts waiting (driver) or in flight (replica)"),
     Metric("specter_draft_rounds", "counter", "rounds drafted by the draft actor"),
+    Metric("specter_rounds_ahead", "counter", "rounds drafted ahead, during the verify pass before them (pipelined)"),
+    Metric("specter_rounds_ahead_kept", "counter", "rounds drafted ahead that stood (the rest were thrown away)"),
 ]
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -98,3 +100,5 @@ class Recorder:
         if "recall" in stats:
             self.set("specter_prediction_recall", stats["recall"])
         self.set("specter_link_busy_fraction", stats.get("link_busy_fraction", 0.0))
+        self.inc("specter_rounds_ahead", stats.get("ahead_asked", 0))
+        self.inc("specter_rounds_ahead_kept", stats.get("ahead_kept", 0))

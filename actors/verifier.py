@@ -38,6 +38,8 @@ from specter.timing.profiles import simulated_host
 
 log = logging.getLogger(__name__)
 
+PIPELINED = True  # a request's default: see docs/actors.md, "Pipelined drafting"
+
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
 class VerifierActor:
@@ -95,17 +97,18 @@ class VerifierActor:
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
-        eos_token_id: int | None = None, untimed_prefill: bool = False,
+        eos_token_id: int | None = None, untimed_prefill: bool = False, pipelined: bool = PIPELINED,
     ) -> dict[str, Any]:
         """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
 
+        ``pipelined``: the draft drafts each next round while this one is verified (``specter/engine.py``).
         Its figures go to the replica's metrics; a request that raises counts as an error.
         """
         self.metrics.set("specter_queue_depth", 1)
         self._requests += 1
         try:
             out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
-                                 eos_token_id, untimed_prefill)
+                                 eos_token_id, untimed_prefill, pipelined)
         except Exception:
             self.metrics.inc("specter_request_errors")
             raise
@@ -129,7 +132,7 @@ class VerifierActor:
 
     def _generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-        window: int | None, policy: str | None, eos_token_id: int | None, untimed_prefill: bool,
+        window: int | None, policy: str | None, eos_token_id: int | None, untimed_prefill: bool, pipelined: bool,
     ) -> dict[str, Any]:
         if policy is not None and policy != self.policy_name:
             self._build(policy)
@@ -137,7 +140,8 @@ class VerifierActor:
         k = self.target.offload.policy.default_window if window is None else window
         if k and self.proposer is None:
             raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")
-        engine = Engine(self.target, window=k, proposer=self.proposer if k else None, untimed_prefill=untimed_prefill)
+        engine = Engine(self.target, window=k, proposer=self.proposer if k else None, untimed_prefill=untimed_prefill,
+                        pipelined=pipelined)
         self._engine = engine
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id)

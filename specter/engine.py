@@ -2,11 +2,19 @@
 
 With no draft (or K = 0) a round is one plain decode step of the target, which is how the
 ``demand-lru`` and ``gate-prefetch`` baselines run.
+
+``pipelined`` (a draft in its own process: the actors' ``RemoteProposer``): each round also asks
+the draft to draft the next round at once, while this one is verified, as if every draft token
+were accepted and the target's next token were the draft's own guess. When that is what happened
+the next round's draft is ready (or nearly) as its round starts; otherwise it is thrown away and
+drafted as usual. The next round's K is then chosen one round early. Tokens are the same either
+way: a round that stands is exactly the draft the round would have drafted (``LocalProposer.guess``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import DynamicCache
@@ -15,7 +23,7 @@ from specter.bound import Trace, lower_bound
 from specter.config import SamplingConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.routing import Routing
-from specter.proposer import Draft, LocalProposer, Proposer
+from specter.proposer import Draft, LocalProposer, PipelinedProposer, Proposer
 from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
@@ -49,7 +57,7 @@ class Engine:
 
     def __init__(
         self, target: OffloadedTarget, draft: Draft | None = None, window: int = 0, untimed_prefill: bool = False,
-        proposer: Proposer | None = None,
+        proposer: Proposer | None = None, pipelined: bool = False,
     ):
         if window < 0 or window > 64:
             raise ValueError(f"window: K must be in [0, 64], got {window}")
@@ -63,6 +71,10 @@ class Engine:
             assert draft is not None
             proposer = LocalProposer(draft, target.clock)
         self.proposer = proposer if window > 0 else None
+        if pipelined and self.proposer is not None and not getattr(self.proposer, "pipelined", False):
+            raise ValueError("pipelined: drafting a round ahead needs the draft in its own process (the actors); "
+                             f"{type(self.proposer).__name__} drafts in this one")
+        self.pipelined = pipelined and self.proposer is not None
         self.window = window
         self.clock = target.clock
         self.policy = target.offload.policy
@@ -117,17 +129,26 @@ class Engine:
         chooser = self.policy.window_chooser() if self.proposer is not None else None
         if chooser is not None:
             chooser.begin_request()
+        planned: int | None = None  # pipelined: this round's K, chosen by the round before
+        standing = False  # pipelined: the round drafted ahead stands, its draft is this round's
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
             limit = min(self.window, remaining - 1)
-            k = chooser.choose(limit) if chooser is not None else limit
-            new = self._round(round_id, seq, tcache, k, sampling, gen, tally)
+            if standing and planned is not None:
+                k = planned
+            elif planned is not None and chooser is not None:  # chosen a round early; with no
+                k = min(planned, limit)  # chooser every round drafts as far as it may
+            else:
+                k = chooser.choose(limit) if chooser is not None else limit
+            ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
+            new, planned, stands = self._round(round_id, seq, tcache, k, sampling, gen, tally, standing, ahead_limit)
             if chooser is not None:
                 chooser.record(k, tally.last[0], tally.last[1], len(new) - 1)
             seq += _until_eos(new[:remaining], eos_token_id)
             commits += [self.clock.now()] * len(new[:remaining])
             self.committed = len(seq) - len(prompt_ids)
-            round_id += 1
+            round_id += 2 if planned and not stands else 1  # a thrown-away round's id is not reused
+            standing = stands
         tokens = seq[len(prompt_ids):]
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)
         if trace is not None and costs is not None:
@@ -135,6 +156,11 @@ class Engine:
             trace.draft_s = self.clock.draft_charged - draft_mark  # type: ignore[attr-defined]
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
+        if self.pipelined:
+            proposer = self.proposer
+            stats.extra["pipelined"] = True
+            for name in ("ahead_asked", "ahead_kept", "ahead_dropped"):
+                stats.extra[name] = getattr(proposer, name)
         host = (a - b for a, b in zip(_host_state(self.target), before[2], strict=True))
         stats.extra["host_experts"], stats.extra["host_s"], stats.extra["host_wait_s"] = host
         return tokens, stats
@@ -181,12 +207,21 @@ class Engine:
     # -- the round --------------------------------------------------------------------------
     def _round(
         self, round_id: int, seq: list[int], tcache: DynamicCache, k: int,
-        sampling: SamplingConfig, gen: torch.Generator, tally: _Tally,
-    ) -> list[int]:
-        """One round; returns the tokens it commits (accepted drafts + the target's next token)."""
+        sampling: SamplingConfig, gen: torch.Generator, tally: _Tally, standing: bool = False, ahead_limit: int = 0,
+    ) -> tuple[list[int], int | None, bool]:
+        """One round: the tokens it commits (accepted drafts + the target's next token) and, when
+        pipelined, the next round's K (drafted ahead, None when not chosen) and whether that
+        round stands. ``standing``: this round's draft was drafted ahead."""
         self.policy.begin_round(round_id)
+        ahead = 0
+        if ahead_limit > 0:  # after begin_round: the policy reads this round's K from the chooser
+            chooser = self.policy.window_chooser()
+            ahead = chooser.choose(ahead_limit) if chooser is not None else ahead_limit
         t0 = self.clock.now()
-        drafts, qs, predicted = self._draft(round_id, seq, k) if k else ([], [], {})
+        if standing:
+            drafts, qs, predicted = self._take(round_id, seq, ahead)
+        else:
+            drafts, qs, predicted = self._draft(round_id, seq, k, ahead) if k else ([], [], {})
         t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
@@ -209,21 +244,37 @@ class Engine:
             tally.accepted.append(n)
             tally.drafted += len(drafts)
             _score(tally, predicted, true)
-        return drafts[:n] + [nxt]
+        stands = bool(ahead) and cast(PipelinedProposer, self.proposer).ahead_stands(n == len(drafts), nxt)
+        return drafts[:n] + [nxt], (ahead if ahead_limit > 0 else None), stands
 
     def _draft(
-        self, round_id: int, seq: list[int], k: int
+        self, round_id: int, seq: list[int], k: int, ahead: int = 0
     ) -> tuple[list[int], list[torch.Tensor], dict[int, set[int]]]:
         """K draft steps; after each, its routing goes to the policy as a plan delta at once."""
         assert self.proposer is not None
         predicted: dict[int, set[int]] = {}
 
         def on_plan(delta: PlanDelta) -> None:
-            for layer, ids in zip(delta.layers, delta.experts, strict=True):
-                predicted.setdefault(layer, set()).update(ids)
+            _predicted(predicted, [delta])
             self.policy.on_plan(delta)
 
-        drafts, qs = self.proposer.propose(round_id, seq, k, on_plan, self.policy.route_last_draft)
+        route_last = self.policy.route_last_draft
+        if ahead:
+            drafts, qs = cast(PipelinedProposer, self.proposer).propose(round_id, seq, k, on_plan, route_last, ahead)
+        else:
+            drafts, qs = self.proposer.propose(round_id, seq, k, on_plan, route_last)
+        return drafts, qs, predicted
+
+    def _take(self, round_id: int, seq: list[int], ahead: int) -> tuple[list[int], list[torch.Tensor], dict[int, set[int]]]:
+        """The round drafted ahead, which stands; plan deltas that came during the verify pass
+        reach the policy together."""
+        predicted: dict[int, set[int]] = {}
+
+        def on_plans(deltas: list[PlanDelta]) -> None:
+            _predicted(predicted, deltas)
+            self.policy.on_plans(deltas)
+
+        drafts, qs = cast(PipelinedProposer, self.proposer).take_ahead(round_id, seq, on_plans, ahead)
         return drafts, qs, predicted
 
     def _stats(self, before, prompt_len: int, t0: float, commits: list[float], tally: _Tally) -> RequestStats:
@@ -264,6 +315,12 @@ class Engine:
                 "verify_s": tally.verify_s,
             },
         )
+
+
+def _predicted(predicted: dict[int, set[int]], deltas: list[PlanDelta]) -> None:
+    for delta in deltas:
+        for layer, ids in zip(delta.layers, delta.experts, strict=True):
+            predicted.setdefault(layer, set()).update(ids)
 
 
 def _score(tally: _Tally, predicted: dict[int, set[int]], true: dict[int, set[int]]) -> None:

@@ -23,8 +23,9 @@ from msgspec import Meta
 
 from specter.config import MIN_TEMPERATURE  # 0 is greedy; a smaller one overflows logits / T
 
-PROTOCOL_VERSION = 3  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
-# 3: verify, demand, done and cancel left (no component sent them)
+PROTOCOL_VERSION = 4  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
+# 3: verify, demand, done and cancel left (no component sent them); 4: pipelined drafting
+# (ProposeRequest.ahead, AheadStart, AheadKeep)
 
 # Caps that a decoder enforces: a peer cannot make us allocate more than these.
 MAX_ID = 2**31 - 1  # layer, expert, token, round and step ids
@@ -186,6 +187,9 @@ class ProposeRequest(msgspec.Struct, frozen=True, array_like=True, tag="propose"
         tokens: the tokens after those ``keep`` positions that the draft has not processed.
         k: draft tokens to propose.
         route_last: one more forward to route the K-th draft token's position too.
+        ahead: pipelined drafting: once this round's ``DraftTokens`` are sent, draft round
+            ``round + 1`` with ``ahead`` tokens at once, assuming the verifier accepts every draft
+            token and its next token is the draft's own guess (``AheadStart``); 0: do not.
     """
 
     round: Id
@@ -193,6 +197,25 @@ class ProposeRequest(msgspec.Struct, frozen=True, array_like=True, tag="propose"
     tokens: Annotated[list[Id], Meta(min_length=1, max_length=MAX_TOKENS)]
     k: Annotated[int, Meta(ge=1, le=MAX_WINDOW)]
     route_last: bool = False
+    ahead: Annotated[int, Meta(ge=0, le=MAX_WINDOW)] = 0
+
+
+class AheadStart(msgspec.Struct, frozen=True, array_like=True, tag="ahead_start"):
+    """The draft starts optimistic round ``round`` assuming the target's next token is ``bonus``
+    (draft → verifier, before that round's plans). The round stands only if the verifier accepts
+    every draft token of the round before and its own next token is ``bonus``."""
+
+    round: Id
+    bonus: Id
+
+
+class AheadKeep(msgspec.Struct, frozen=True, array_like=True, tag="ahead_keep"):
+    """Optimistic round ``round`` stands (verifier → draft); once it is drafted, draft round
+    ``round + 1`` optimistically with ``ahead`` tokens (0: none). Anything else the verifier sends
+    instead throws the optimistic round away (the draft rolls back its cache and generator)."""
+
+    round: Id
+    ahead: Annotated[int, Meta(ge=0, le=MAX_WINDOW)] = 0
 
 
 class FetchExpert(msgspec.Struct, frozen=True, array_like=True, tag="fetch"):
@@ -240,6 +263,8 @@ Message = (
     | Shutdown
     | Error
     | ProposeRequest
+    | AheadStart
+    | AheadKeep
     | FetchExpert
     | PromoteFetch
     | DropFetch
@@ -254,6 +279,8 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Shutdown,
     Error,
     ProposeRequest,
+    AheadStart,
+    AheadKeep,
     FetchExpert,
     PromoteFetch,
     DropFetch,
@@ -324,6 +351,8 @@ def _check(msg: Message) -> None:
             raise ProtocolError("PlanDelta: an experts list and its probs differ in length")
     elif isinstance(msg, DraftTokens):
         _check_draft(msg)
+    elif isinstance(msg, ProposeRequest | AheadKeep) and msg.ahead and msg.round >= MAX_ID:
+        raise ProtocolError(f"{type(msg).__name__}: round {msg.round} has no next round to draft ahead")
     elif isinstance(msg, StartRequest) and 0 < msg.temperature < MIN_TEMPERATURE:
         raise ProtocolError(f"StartRequest: temperature {msg.temperature} is neither 0 nor >= {MIN_TEMPERATURE}")
 
@@ -361,6 +390,8 @@ def _q_arrays(q: list[SparseProbs]) -> list[tuple[np.ndarray, np.ndarray]]:
 __all__ = [
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
+    "AheadKeep",
+    "AheadStart",
     "DraftTokens",
     "DropFetch",
     "Error",

@@ -33,6 +33,10 @@ SAMPLES: list[P.Message] = [
     P.Error("verifier.layer3", "expert (3, 5) missing"),
     P.ProposeRequest(3, 10, [5, 6], 4, True),
     P.ProposeRequest(0, 0, [1], 1),
+    P.ProposeRequest(5, 12, [7], 8, False, 6),
+    P.AheadStart(6, 41),
+    P.AheadKeep(6, 8),
+    P.AheadKeep(9),
     P.FetchExpert(7, 1, 2, 5, 0, False),
     P.FetchExpert(8, 0, 3, 1, 1),
     P.PromoteFetch(7),
@@ -171,10 +175,10 @@ def test_every_type_with_a_changed_tag_is_unknown(msg: P.Message) -> None:
     assert info.value.reason == P.UNKNOWN
 
 
-def test_version_is_3_and_checked_both_ways() -> None:
-    assert P.PROTOCOL_VERSION == 3  # bumped when four unsent messages left (docs/wire.md)
+def test_version_is_4_and_checked_both_ways() -> None:
+    assert P.PROTOCOL_VERSION == 4  # bumped for pipelined drafting (docs/wire.md)
     assert not {"verify", "demand", "done", "cancel"} & P.TAGS
-    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft"), P.Hello(2, "transfer", 4)):
+    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft"), P.Hello(2, "transfer", 4), P.Hello(3, "draft", 5)):
         assert P.decode(P.encode(old)) == old  # any version's Hello/Welcome still decodes...
         with pytest.raises(P.VersionMismatch) as info:  # ...and is refused by the version check
             P.check_version(old)
@@ -329,3 +333,10 @@ def test_every_socket_reads_through_the_typed_decoder() -> None:
     assert channel.decode is P.decode  # Channel._decode: the only place frames become objects
     assert set(typing.get_args(P.Message)) == set(P.MESSAGE_TYPES)
     assert all(t.__struct_config__.frozen and t.__struct_config__.array_like for t in P.MESSAGE_TYPES)
+
+
+def test_a_round_drafted_ahead_needs_a_next_round_id() -> None:
+    for msg in (P.ProposeRequest(P.MAX_ID, 0, [1], 2, False, 3), P.AheadKeep(P.MAX_ID, 1)):
+        with pytest.raises(P.ProtocolError, match="no next round"):
+            P.decode(P.encode(msg))
+    assert P.decode(P.encode(P.AheadKeep(P.MAX_ID, 0))) == P.AheadKeep(P.MAX_ID, 0)  # nothing ahead: fine

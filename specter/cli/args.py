@@ -133,12 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=None,
                      help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
                           "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
+    _add_pipeline(gen, "with --address; ")
     gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
     _add_batch(commands)
     _add_bench(commands)
     add_quantize_command(commands)
     return parser
+
+
+def _add_pipeline(command: argparse.ArgumentParser, when: str = "") -> None:
+    command.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                         help=f"{when}the draft actor drafts each next round while this one is verified "
+                              "(default: on through the actors; docs/actors.md)")
 
 
 def _profile_name(text: str) -> str:
@@ -180,6 +187,7 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     batch.add_argument("--draft", default=None, help="draft folder (AWQ draft or full-precision checkpoint)")
     batch.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
+    _add_pipeline(batch)
     batch.add_argument("--window", type=int, default=None,
                        help="draft tokens per round K, 1..64 (specter: the cap of its per-round K)")
     batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")

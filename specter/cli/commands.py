@@ -134,6 +134,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --prompt: must not be empty")
     if args.address is not None and args.device_memory is not None:
         parser.error("argument --device-memory: not available with --address yet; use --budget")
+    if args.address is None and args.pipeline:
+        parser.error("argument --pipeline: drafting ahead needs the draft in its own process; add --address local")
     if args.address is None:
         torch.set_num_threads(compute_threads(args.threads))
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -220,7 +222,7 @@ def _through_actors(args, parser, timing, budget, window, sampling):  # type: ig
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
-                              window=window, eos_token_id=_eos(args.model))[0]
+                              window=window, eos_token_id=_eos(args.model), pipelined=args.pipeline)[0]
     return out["tokens"], out["text"], out["stats"]
 
 
@@ -263,6 +265,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = BatchOptions(
         str(args.model), args.draft, budget, link, args.policy, window, sampling.top_p, sampling.top_k,
         _eos(args.model), args.replicas, args.request_timeout, args.retries, args.timeout, host_profile,
+        args.pipeline is not False,
     )
     owns_ray = not ray.is_initialized()
     if owns_ray:

@@ -80,6 +80,11 @@ class Policy:
     def on_plan(self, delta: PlanDelta) -> None:
         """A draft step's routing, sent the moment the step finishes."""
 
+    def on_plans(self, deltas: list[PlanDelta]) -> None:
+        """Several draft steps' routing at once (a round drafted ahead, while the verify pass ran)."""
+        for delta in deltas:
+            self.on_plan(delta)
+
     def begin_verify(self, round_id: int, positions: int) -> None:
         """The target is about to verify ``positions`` positions in one pass."""
 

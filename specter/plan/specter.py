@@ -99,6 +99,16 @@ class Specter(Policy):
             self.draft_step_done()
             self.schedule()
 
+    def on_plans(self, deltas: list[PlanDelta]) -> None:
+        """Steps drafted while the verify pass ran, folded in together and scheduled once (their
+        gaps were not draft steps the round waited for, so they do not feed the step time)."""
+        added = sum(self.plan.add(delta) for delta in deltas)
+        if added:
+            assert self.offload is not None
+            self._drafted += added
+            self._mark = self.offload.clock.now()
+            self.schedule()
+
     def draft_step_done(self) -> None:
         """A draft step of the running round finished (its time feeds the deadlines)."""
         self._drafted += 1

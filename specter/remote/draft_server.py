@@ -6,15 +6,27 @@ and then the ``DraftTokens`` (with q rows as ``SparseProbs`` when sampling). A r
 not fit the draft (a token outside the vocabulary, ``keep`` past what the cache holds, more
 positions than the model has) is refused before anything is indexed, counted in ``rejections`` and
 answered with an ``Error``; so is a failure. Nothing but ``Shutdown`` stops the loop.
+
+Pipelined drafting (``ProposeRequest.ahead``): once a round's tokens are sent, the draft guesses the
+target's next token, says so (``AheadStart``) and drafts the next round at once, as if the verifier
+had accepted everything — while the verifier verifies. Between its steps it reads the socket: an
+``AheadKeep`` for that round lets it go on (and, once done, draft the round after it the same way);
+anything else means the round is thrown away — the draft stops, rolls its cache and its generator
+back to where they were before the round, and handles the message. ``ahead_rounds``,
+``ahead_thrown`` and ``ahead_steps_thrown`` count what it drafted that way and what was wasted.
 """
 
 from __future__ import annotations
 
 import threading
 
+import torch
+
 from specter.config import SamplingConfig
 from specter.proposer import Draft, LocalProposer
 from specter.protocol import (
+    AheadKeep,
+    AheadStart,
     DraftTokens,
     Error,
     PlanDelta,
@@ -59,9 +71,16 @@ class DraftServer:
         self._refuse = DropLog("draft", (OUT_OF_RANGE, UNEXPECTED, FAILED))
         self.rejections: dict[str, int] = self._refuse.counts
         self.unsent = 0
+        self.ahead_rounds = 0  # optimistic rounds started
+        self.ahead_thrown = 0  # ... of which the verifier threw away
+        self.ahead_steps_thrown = 0  # draft steps of the thrown-away ones
+        self._next: object | None = None  # a message read while drafting ahead, handled next
+        self._open: _Open | None = None  # a finished optimistic round the verifier has not judged yet
 
     def handle(self, msg: object) -> bool:
         """Act on one message; False when it says to stop."""
+        if self._open is not None and not (isinstance(msg, AheadKeep) and msg.round == self._open.round):
+            self._throw(self._open)  # the verifier did not keep the optimistic round
         if isinstance(msg, Shutdown):
             return False
         try:
@@ -69,6 +88,9 @@ class DraftServer:
                 self._start(msg)
             elif isinstance(msg, ProposeRequest):
                 self._propose(msg)
+            elif isinstance(msg, AheadKeep) and self._open is not None:
+                done, self._open = self._open, None
+                self._ahead(done.round + 1, done.drafts, done.route_last, msg.ahead)
             else:
                 self._refuse(UNEXPECTED, f"a {type(msg).__name__} message is not for the draft")
         except Refused as exc:
@@ -82,7 +104,7 @@ class DraftServer:
     def serve(self, stop: threading.Event, poll_s: float = 0.05) -> None:
         """Handle messages until ``stop`` is set or a ``Shutdown`` arrives."""
         while not stop.is_set():
-            msg = self.channel.recv(poll_s)
+            msg, self._next = (self._next, None) if self._next is not None else (self.channel.recv(poll_s), None)
             if msg is not None and not self.handle(msg):
                 return
 
@@ -117,7 +139,64 @@ class DraftServer:
             self.channel.send(delta)
 
         drafts, qs = self.proposer.extend(msg.round, list(msg.tokens), msg.k, send_plan, msg.route_last)
+        self._send_tokens(msg.round, drafts, qs)
+        if msg.ahead:
+            self._ahead(msg.round + 1, drafts, msg.route_last, msg.ahead)
+
+    def _send_tokens(self, round_id: int, drafts: list[int], qs: list[torch.Tensor]) -> None:
         rows = [SparseProbs.from_dense(q.numpy()) for q in qs]
         vocab = int(qs[0].shape[-1]) if qs else 0
-        self.channel.send(DraftTokens(msg.round, drafts, rows, vocab))
+        self.channel.send(DraftTokens(round_id, drafts, rows, vocab))
         self.rounds += 1
+
+    def _ahead(self, round_id: int, drafts: list[int], route_last: bool, k: int) -> None:
+        """Optimistic rounds from ``round_id`` on, each after the one before (while the verifier
+        keeps them as they are drafted); stops at the first one it has not judged yet or threw away."""
+        proposer = self.proposer
+        while k:
+            opened = _Open(round_id, proposer.cached, proposer.gen.get_state(), route_last)
+            bonus, pending = proposer.guess(drafts, route_last)
+            self._check_tokens(pending, proposer.cached + len(pending) + k - 1 + route_last)
+            self.channel.send(AheadStart(round_id, bonus))
+            self.ahead_rounds += 1
+            verdict: list[AheadKeep] = []
+
+            def interrupted(round_id: int = round_id, verdict: list[AheadKeep] = verdict) -> bool:
+                msg = self.channel.recv(0)
+                if msg is None:
+                    return False
+                if isinstance(msg, AheadKeep) and msg.round == round_id:
+                    verdict.append(msg)
+                    return False
+                self._next = msg
+                return True
+
+            def send_plan(delta: PlanDelta) -> None:
+                self.channel.send(delta)
+
+            drafts, qs = proposer.extend(round_id, pending, k, send_plan, route_last, interrupted)
+            opened.drafts = drafts
+            if len(drafts) < k:  # a message that is not this round's keep came in
+                self._throw(opened)
+                return
+            self._send_tokens(round_id, drafts, qs)
+            if not verdict:  # judged later (``handle``)
+                self._open = opened
+                return
+            round_id, k = round_id + 1, verdict[0].ahead
+
+    def _throw(self, opened: _Open) -> None:
+        """Undo an optimistic round: its cache positions and its generator draws."""
+        self.ahead_thrown += 1
+        self.ahead_steps_thrown += len(opened.drafts)
+        self.proposer.rollback(opened.cached)
+        self.proposer.gen.set_state(opened.gen_state)
+        self._open = None
+
+
+class _Open:
+    """An optimistic round: where the draft stood before it (to undo it) and what it drafted."""
+
+    def __init__(self, round_id: int, cached: int, gen_state: torch.Tensor, route_last: bool):
+        self.round, self.cached, self.gen_state, self.route_last = round_id, cached, gen_state, route_last
+        self.drafts: list[int] = []

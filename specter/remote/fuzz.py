@@ -180,7 +180,8 @@ class FrameFuzzer:
         others: list[P.Message] = [
             P.Hello(P.PROTOCOL_VERSION, "fuzz", 1), P.Welcome(P.PROTOCOL_VERSION, "fuzz"),
             P.PlanDelta(self.rng.randrange(P.MAX_ID), 0, [1], [[2]], [[0.5]]), P.DraftTokens(3, [1, 2]),
-            P.Shutdown("not really"), P.Error("fuzz", "not really"),
+            P.Shutdown("not really"), P.Error("fuzz", "not really"), P.AheadStart(3, 1),
+            P.AheadKeep(self.rng.randrange(P.MAX_ID), self.rng.randrange(3)),  # no round of that id is open
         ]
         if self.t.role == "transfer":
             others += [P.StartRequest("r", [1], 1), P.ProposeRequest(0, 0, [1], 1), P.LinkTiming(True)]
@@ -198,7 +199,7 @@ class FrameFuzzer:
             P.ProposeRequest(3, 1, [5, 6], 4, True), P.StartRequest("r", [1, 2, 3], 8),
             P.PlanDelta(3, 1, [0, 2], [[1, 5], [7, 0]], [[0.75, 0.25], [0.5, 0.5]]),
             P.Hello(P.PROTOCOL_VERSION, "fuzz", 7), P.DraftTokens(4, [3, 7]), P.Shutdown("fuzz"),
-            P.LinkTiming(True),
+            P.LinkTiming(True), P.ProposeRequest(5, 2, [1], 2, False, 3), P.AheadStart(6, 2), P.AheadKeep(6, 1),
         ]
 
     def _stray_request(self) -> P.Message:
@@ -207,7 +208,8 @@ class FrameFuzzer:
         tokens = [self.rng.randrange(self.t.vocab_size) for _ in range(self.rng.randrange(1, 5))]
         if self.rng.random() < 0.5:
             return P.StartRequest("fuzz", tokens, 1)
-        return P.ProposeRequest(self.rng.randrange(P.MAX_ID), 0, tokens, self.rng.randrange(1, 4))
+        ahead = self.rng.choice([0, 0, 2])  # a round drafted ahead stays open until the next message
+        return P.ProposeRequest(self.rng.randrange(P.MAX_ID - 1), 0, tokens, self.rng.randrange(1, 4), False, ahead)
 
     def _obeyed(self, frame: bytes) -> bool:
         """Whether the actor would rightly obey this frame in a way that changes the engine."""

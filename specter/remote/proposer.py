@@ -5,18 +5,40 @@ not seen, K) and then reads the draft's ``PlanDelta``s as they arrive, handing e
 at once, until the round's ``DraftTokens`` come. A rollback only updates the local mirror of the
 draft's cache length; the draft crops when the next request says so. Messages of another round,
 or not meant for the verifier, are counted in ``stale`` and logged at most once per second.
+
+Pipelined (``propose(..., ahead=K')``): the draft drafts the next round while this one is verified.
+After the verify pass ``ahead_stands`` says whether that round stands (every draft token accepted
+and the target's next token the draft's guess); if so ``take_ahead`` collects it — its plan deltas
+already here go to the policy together — and asks for the one after it; if not, the next
+``propose`` throws it away on the draft's side, and its messages are dropped here as they come.
+
+On the wire a round's id is the engine's round id plus a base that grows from request to request,
+so a message left over from an earlier request (an optimistic round still in flight when its
+request ended) can never pass for one of the running request's.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import msgspec
 import torch
 
 from specter.config import SamplingConfig
 from specter.proposer import OnPlan
-from specter.protocol import DraftTokens, Error, PlanDelta, ProposeRequest, StartRequest
+from specter.protocol import (
+    AheadKeep,
+    AheadStart,
+    DraftTokens,
+    Error,
+    PlanDelta,
+    ProposeRequest,
+    StartRequest,
+)
 from specter.remote.channel import Channel, DropLog
+
+OnPlans = Callable[[list[PlanDelta]], None]
 
 
 class DraftError(RuntimeError):
@@ -29,7 +51,15 @@ class RemoteProposer:
     Args:
         channel: the pair channel to the draft actor.
         timeout_s: longest wait for the draft's next message.
+
+    Attributes:
+        ahead_asked: optimistic rounds asked for in the running (or last) request.
+        ahead_kept: those of them that stood.
+        ahead_dropped: plan deltas of thrown-away optimistic rounds dropped: the draft steps wasted,
+            as far as they reached the verifier.
     """
+
+    pipelined = True  # it can have the next round drafted while this one is verified (``ahead``)
 
     def __init__(self, channel: Channel, timeout_s: float = 60.0):
         self.channel = channel
@@ -38,12 +68,22 @@ class RemoteProposer:
         self._requests = 0
         self._ignore = DropLog("verifier: from the draft", ("stale",))
         self.stale = self._ignore.counts
+        self._base = 0  # wire round id of the running request's round 0
+        self._next_base = 0  # above every wire round id used so far
+        self._ahead: tuple[int, int, bool] | None = None  # the optimistic round asked for: (round, K, route_last)
+        self._thrown: set[int] = set()  # the request's thrown-away optimistic rounds (wire ids)
+        self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Start a request on the draft (it prefills while the verifier goes on)."""
-        while (stale := self.channel.recv(0)) is not None:  # left over by a request that failed
-            self._ignore("stale", f"a {type(stale).__name__} left over before this request")
+        self._throw_ahead()  # an optimistic round still open when the last request ended
+        while (stale := self.channel.recv(0)) is not None:  # left over by a request that ended
+            self._drop(stale, -1)
         self._requests += 1
+        self._base = self._next_base
+        self._ahead = None
+        self._thrown.clear()
+        self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
         self.channel.send(
             StartRequest(
                 f"r{self._requests}", list(prompt_ids), 1, sampling.temperature, sampling.top_p, sampling.top_k,
@@ -53,32 +93,117 @@ class RemoteProposer:
         self.cached = len(prompt_ids)
 
     def propose(
-        self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool
+        self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool, ahead: int = 0
     ) -> tuple[list[int], list[torch.Tensor]]:
-        """K draft tokens after ``seq``; plan deltas reach ``on_plan`` as the draft sends them."""
-        self.channel.send(ProposeRequest(round_id, self.cached, list(seq[self.cached :]), k, route_last))
-        tokens = self._collect(round_id, on_plan)
-        if len(tokens.tokens) != k:
-            raise DraftError(f"draft: round {round_id} returned {len(tokens.tokens)} tokens, asked for {k}")
-        self.cached = len(seq) + k - 1 + (1 if route_last else 0)
-        qs = [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]
-        return list(tokens.tokens), qs
+        """K draft tokens after ``seq``; plan deltas reach ``on_plan`` as the draft sends them.
+        With ``ahead``, the draft then drafts round ``round_id + 1`` (``ahead`` tokens) at once."""
+        self._throw_ahead()
+        wire = self._wire(round_id)
+        self.channel.send(ProposeRequest(wire, self.cached, list(seq[self.cached :]), k, route_last, ahead))
+        tokens = self._collect(wire, lambda delta: on_plan(self._local(delta)))
+        return self._finish(wire, seq, k, route_last, ahead, tokens)
+
+    def ahead_stands(self, all_accepted: bool, token: int) -> bool:
+        """After the verify pass: whether the optimistic round asked for stands — every draft token
+        was accepted and the target's next token ``token`` is the one the draft assumed."""
+        if self._ahead is None:
+            return False
+        if all_accepted and self._expect_start(self._ahead[0]).bonus == token:
+            return True
+        self._throw_ahead()
+        return False
+
+    def take_ahead(
+        self, round_id: int, seq: list[int], on_plans: OnPlans, ahead: int = 0
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """The optimistic round that stands (``ahead_stands``) as round ``round_id``'s draft; ``seq``
+        now ends with the token it assumed. Its plan deltas already here reach ``on_plans`` in one
+        call, later ones one per call. With ``ahead``, the draft drafts the round after it too."""
+        wire = self._wire(round_id)
+        assert self._ahead is not None and self._ahead[0] == wire, "take_ahead() after ahead_stands()"
+        _, k, route_last = self._ahead
+        self.ahead_kept += 1
+        self.channel.send(AheadKeep(wire, ahead))
+        early: list[PlanDelta] = []
+        tokens: DraftTokens | None = None
+        while tokens is None and (msg := self.channel.recv(0)) is not None:
+            if isinstance(msg, PlanDelta) and msg.round == wire:
+                early.append(self._local(msg))
+            elif isinstance(msg, DraftTokens) and msg.round == wire:
+                tokens = msg
+            elif isinstance(msg, Error):
+                raise DraftError(f"draft: {msg.where}: {msg.message}")
+            else:
+                self._drop(msg, wire)
+        if early:
+            on_plans(early)
+        if tokens is None:
+            tokens = self._collect(wire, lambda delta: on_plans([self._local(delta)]))
+        return self._finish(wire, seq, k, route_last, ahead, tokens)
 
     def rollback(self, length: int) -> None:
         """The draft keeps only ``length`` positions (sent with the next request)."""
         self.cached = min(self.cached, length)
 
-    def _collect(self, round_id: int, on_plan: OnPlan) -> DraftTokens:
+    def _wire(self, round_id: int) -> int:
+        wire = self._base + round_id
+        self._next_base = max(self._next_base, wire + 2)  # + 2: the optimistic round after it
+        return wire
+
+    def _local(self, delta: PlanDelta) -> PlanDelta:
+        """A plan delta with the engine's round id."""
+        return msgspec.structs.replace(delta, round=delta.round - self._base)
+
+    def _finish(
+        self, wire: int, seq: list[int], k: int, route_last: bool, ahead: int, tokens: DraftTokens
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        if len(tokens.tokens) != k:
+            raise DraftError(f"draft: round {wire} returned {len(tokens.tokens)} tokens, asked for {k}")
+        self.cached = len(seq) + k - 1 + (1 if route_last else 0)
+        self._ahead = (wire + 1, ahead, route_last) if ahead else None
+        self.ahead_asked += bool(ahead)
+        qs = [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]
+        return list(tokens.tokens), qs
+
+    def _throw_ahead(self) -> None:
+        """The optimistic round asked for does not stand: its messages are dropped from now on (the
+        draft throws it away when it reads the next request)."""
+        if self._ahead is not None:
+            self._thrown.add(self._ahead[0])
+            self._ahead = None
+
+    def _expect_start(self, wire: int) -> AheadStart:
         deadline = time.monotonic() + self.timeout_s
         while True:
             msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
             if msg is None:
-                raise DraftError(f"draft: no answer for round {round_id} within {self.timeout_s:.1f}s")
-            if isinstance(msg, PlanDelta) and msg.round == round_id:
+                raise DraftError(f"draft: no AheadStart for round {wire} within {self.timeout_s:.1f}s")
+            if isinstance(msg, AheadStart) and msg.round == wire:
+                return msg
+            if isinstance(msg, Error):
+                raise DraftError(f"draft: {msg.where}: {msg.message}")
+            self._drop(msg, wire)
+
+    def _drop(self, msg: object, wire: int) -> None:
+        """A message that is not for round ``wire``: quietly when it belongs to a thrown-away
+        optimistic round or to an earlier request, else counted as stale."""
+        round_id = getattr(msg, "round", None)
+        if isinstance(round_id, int) and (round_id in self._thrown or round_id < self._base):
+            self.ahead_dropped += isinstance(msg, PlanDelta)
+        else:
+            self._ignore("stale", f"a {type(msg).__name__} that is not for round {wire}")
+
+    def _collect(self, wire: int, on_plan: OnPlan) -> DraftTokens:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
+            if msg is None:
+                raise DraftError(f"draft: no answer for round {wire} within {self.timeout_s:.1f}s")
+            if isinstance(msg, PlanDelta) and msg.round == wire:
                 on_plan(msg)
-            elif isinstance(msg, DraftTokens) and msg.round == round_id:
+            elif isinstance(msg, DraftTokens) and msg.round == wire:
                 return msg
             elif isinstance(msg, Error):
                 raise DraftError(f"draft: {msg.where}: {msg.message}")
             else:
-                self._ignore("stale", f"a {type(msg).__name__} that is not for round {round_id}")
+                self._drop(msg, wire)

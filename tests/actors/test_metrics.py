@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from tiny_models import noisy_copy
 
 from actors.batch import BatchOptions, run_batch
 from actors.cluster import start_local
@@ -62,7 +61,7 @@ def metrics_ray():
 def test_every_metric_is_scraped_with_sane_values(metrics_ray, tiny_dir, tmp_path) -> None:
     port = metrics_ray
     folder = tiny_dir("mixtral")
-    draft = noisy_copy(folder, tmp_path / "draft")
+    draft = folder  # the target as its own draft: every round drafted ahead stands, so its counters move
     items = [BatchItem(f"p{i}", "abcdefgh"[: 3 + i], i + 1, NEW, 0.0, 0) for i in range(3)]
     items[1].max_new_tokens = 10_000  # refused by the verifier: one request error
     options = BatchOptions(str(folder), str(draft), SlotConfig(fraction=0.25),
@@ -105,6 +104,8 @@ def test_every_metric_is_scraped_with_sane_values(metrics_ray, tiny_dir, tmp_pat
     assert hits + total("ray_specter_expert_misses_total") > 0
     assert total("ray_specter_bytes_moved_total", replica="r0", actor="transfer") > 0
     assert total("ray_specter_draft_rounds_total", replica="r0", actor="draft") > 0
+    ahead = total("ray_specter_rounds_ahead_total", actor="verifier")
+    assert ahead >= total("ray_specter_rounds_ahead_kept_total", actor="verifier") == 2  # one per request (K 3, 8 tokens)
     for gauge in ("ray_specter_hit_rate", "ray_specter_prediction_recall", "ray_specter_link_busy_fraction"):
         assert all(0.0 <= v <= 1.0 for _, v in scraped[gauge]), gauge
     assert total("ray_specter_prediction_recall", actor="verifier") > 0

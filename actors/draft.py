@@ -28,12 +28,13 @@ class DraftActor:
         draft_dir: a packed AWQ draft folder or a full-precision checkpoint.
         timeout_s: the handshake timeout.
         replica: the replica's name (metric tags).
+        mode: how a quantized draft computes its experts (``load_draft``'s; ``auto`` times the modes here).
     """
 
-    def __init__(self, draft_dir: str, timeout_s: float = 60.0, replica: str = ""):
+    def __init__(self, draft_dir: str, timeout_s: float = 60.0, replica: str = "", mode: str = "auto"):
         setup_process()
         self.metrics = Recorder(replica, "draft")
-        self.draft = load_draft(draft_dir, device=DEVICE)
+        self.draft = load_draft(draft_dir, device=DEVICE, mode=mode)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
         self.channel: Channel | None = None

@@ -88,6 +88,7 @@ def launch(
     startup_timeout_s: float = 300.0,
     sealed: bool = True,
     host_profile: str | None = None,
+    draft_mode: str = "auto",
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -104,6 +105,8 @@ def launch(
         gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
         startup_timeout_s: how long the actors may take to start and load the model (worker start-up
             and loading, slow on a busy machine; separate from the peer timeouts).
+        draft_mode: how the draft actor computes its experts (``load_draft``'s ``mode``; ``auto`` times
+            the modes on its node).
         host_profile: the profile whose host computes late experts (``simulated_host``; None: the
             default profile's rates relative to the link's, as in process).
         sealed: unlink the shared memory and the ipc directory once wired (False keeps the sockets
@@ -135,7 +138,7 @@ def launch(
     )
     draft_actor = None
     if draft is not None:
-        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica)  # type: ignore[attr-defined]
+        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica, draft_mode)  # type: ignore[attr-defined]
     handle = EngineHandle(replica, pg, transfer, verifier, draft_actor, prefix, "", policy,
                           [f"specter-{replica}-{r}" for r in roles])
     try:

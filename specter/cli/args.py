@@ -238,7 +238,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",
-                       help="add a 'specter@actors' column: specter through the Ray actors, same prompts")
+                       help="add 'specter@actors' and 'specter@pipelined' columns: specter through the Ray actors, "
+                            "same prompts, without and with pipelined drafting")
+    bench.add_argument("--actors-policy", type=_policy, default="specter",
+                       help="the policy the actors' columns run (default specter; e.g. specter+fixed for one K, "
+                            "so that in process and actors make the same rounds)")
     bench.add_argument("--step-s", type=float, default=None,
                        help="wall and measured clocks: the CPU's all-resident step time (s) that link and host are "
                             "scaled to (default: measure it; on a busy machine the measurement is slow)")

@@ -52,6 +52,7 @@ class BenchConfig:
     new_tokens: int = 128
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
     actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
+    actors_policy: str = ACTORS_POLICY  # the policy of the actors' columns (its in-process column is the reference)
     step_s: float | None = None  # this machine's all-resident step time (wall, measured); None: measure it
     clock: str = "virtual"  # wall | virtual | measured (specter/timing/clock.py)
     rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
@@ -139,7 +140,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     results: dict[str, Any] = {"clock": config.clock, "step_s": step_s, "bytes_per_token": per_token,
                                "draft_mode": getattr(draft, "mode", None), "rho_override": config.rho,
                                "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
-                               "profiles": {}}
+                               "actors_policy": config.actors_policy, "profiles": {}}
     first = PROFILES[config.profiles[0]]
     for base in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
         # The base policy's K serves its `+option` variants (and specter's the oracle's); scan the
@@ -193,7 +194,8 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
     budget = budget_for(config, profile)
     targets = {p: load_target(config, timing, profile, p) for p in config.policies}
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
-    handle, owns_ray = _launch_actors(config, timing.link, budget, name) if config.actors else (None, False)
+    mode = getattr(draft, "mode", None) or "auto"  # the actors' draft computes as the in-process one does
+    handle, owns_ray = _launch_actors(config, timing.link, budget, name, mode) if config.actors else (None, False)
     if handle is not None:
         runs[ACTORS], runs[PIPELINED] = [], []
     t0 = time.perf_counter()
@@ -206,9 +208,9 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
                 _, stats = engine.generate_fresh(prompt, config.new_tokens, config.sampling)
                 runs[policy].append(stats.to_dict())
             if handle is not None:  # the same policy and window, through the actors, same prompt
-                window = window_of(config, "specter")
+                window = window_of(config, config.actors_policy)
                 for column, pipelined in ((ACTORS, False), (PIPELINED, True)):
-                    out = handle.generate(prompt, config.new_tokens, window=window, policy=ACTORS_POLICY,
+                    out = handle.generate(prompt, config.new_tokens, window=window, policy=config.actors_policy,
                                           untimed_prefill=True, temperature=config.sampling.temperature,
                                           top_p=config.sampling.top_p, seed=config.sampling.seed,
                                           pipelined=pipelined)
@@ -229,7 +231,9 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
     return runs
 
 
-def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig, profile: str) -> tuple[Any, bool]:
+def _launch_actors(
+    config: BenchConfig, link: LinkConfig, budget: SlotConfig, profile: str, draft_mode: str
+) -> tuple[Any, bool]:
     """One engine trio on a local Ray (started here if none is running)."""
     import ray
 
@@ -239,7 +243,9 @@ def _launch_actors(config: BenchConfig, link: LinkConfig, budget: SlotConfig, pr
     started = not ray.is_initialized()
     if started:  # a local Ray for this profile, shut down with the trio
         start_local(2, log_to_driver=False)
-    return launch(config.model, config.draft, budget, link, policy=ACTORS_POLICY, host_profile=profile), started
+    handle = launch(config.model, config.draft, budget, link, policy=config.actors_policy, host_profile=profile,
+                    draft_mode=draft_mode)
+    return handle, started
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
@@ -332,7 +338,7 @@ def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
                            ratio <= 1.02, f"{ratio:.2f}x"))
         checks.append((f"[{name}] prediction recall >= 0.9", sp["recall"] >= 0.9, f"{sp['recall']:.2f}"))
         if ACTORS in s:
-            same = s.get(ACTORS_POLICY, sp)  # the in-process run of the policy the actors ran
+            same = s.get(results.get("actors_policy", ACTORS_POLICY), sp)  # the in-process run of the actors' policy
             over = s[ACTORS]["tpot_s"] / same["tpot_s"] - 1
             checks.append((f"[{name}] actors overhead <= 5% of TPOT", over <= 0.05, f"{over:+.1%}"))
     at_2x = [(n, x) for n, x in at_2x if x == x]  # NaN: demand-lru was not in the run

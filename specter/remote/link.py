@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -35,14 +36,22 @@ from specter.remote.shm import SharedSlots, SlotTimeout
 log = logging.getLogger(__name__)
 
 _FOREVER_S = 1e9
+_POLL_S = 50e-6  # close polling around a landing (a sleep this short wakes ~20 µs late here)
+_IDLE_S = 2e-3  # nothing due for this long: back off (the copy thread may be waiting on a pin)
+_MAX_SLEEP_S = 1e-3
 
 
 class SeqEvent(threading.Event):
-    """Set once ``slots`` shows ``key`` published in ``slot`` at a sequence number after ``after``."""
+    """Set once ``slots`` shows ``key`` published in ``slot`` at a sequence number after ``after``.
 
-    def __init__(self, slots: SharedSlots, slot: int, key: Key, after: int):
+    With the transfer side's ``counters``, ``wait`` sleeps while the transfer moving now is not due
+    (nothing can land before it does: one copy thread) and polls closely once it is, instead of a
+    backoff that wakes up to a millisecond late.
+    """
+
+    def __init__(self, slots: SharedSlots, slot: int, key: Key, after: int, counters: SharedCounters | None = None):
         super().__init__()
-        self.slots, self.slot, self.after = slots, slot, after
+        self.slots, self.slot, self.after, self.counters = slots, slot, after, counters
         self.key: Key = (key[0], key[1])
 
     def is_set(self) -> bool:
@@ -54,6 +63,23 @@ class SeqEvent(threading.Event):
             return True
         return False
 
+    def _wait_due(self, timeout: float) -> bool:
+        assert self.counters is not None
+        end = time.perf_counter() + timeout
+        idle = 0.0  # how long nothing has been due: then back off as ``wait_ready`` does
+        while not self.is_set():
+            now = time.perf_counter()
+            if now >= end:
+                return False
+            ahead = self.counters.due() - now  # the moving transfer lands then (the writer's clock)
+            if ahead > _POLL_S:
+                idle = 0.0
+                time.sleep(min(ahead - _POLL_S / 2, end - now))
+            else:
+                idle += _POLL_S
+                time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, _MAX_SLEEP_S))
+        return True
+
     def started(self) -> bool:
         """The slot has been claimed for a write since the transfer was submitted."""
         return self.is_set() or self.slots.read(self.slot)[1] != self.after
@@ -61,6 +87,8 @@ class SeqEvent(threading.Event):
     def wait(self, timeout: float | None = None) -> bool:
         if self.is_set():
             return True
+        if self.counters is not None:
+            return self._wait_due(_FOREVER_S if timeout is None else timeout)
         try:
             self.slots.wait_ready(self.slot, self.key, self.after + 1, _FOREVER_S if timeout is None else timeout)
         except SlotTimeout as exc:
@@ -91,6 +119,7 @@ class RemoteLink(Link):
         self._timed = True
         self._ids = itertools.count()
         self._id_of: weakref.WeakKeyDictionary[Transfer, int] = weakref.WeakKeyDictionary()
+        self._waiting: dict[int, Transfer] = {}  # submitted, not yet seen started or cancelled
         self._closed = False
 
     # Counters live on the transfer side; the base class's attributes become read-only views.
@@ -168,7 +197,11 @@ class RemoteLink(Link):
         return True
 
     def queued(self) -> int:
-        return sum(1 for t in self._id_of if not (t.cancelled or self._started(t)))
+        """Transfers submitted and not started (a started one stays started: each is checked until then)."""
+        for tid, transfer in list(self._waiting.items()):
+            if transfer.cancelled or self._started(transfer):
+                del self._waiting[tid]
+        return len(self._waiting)
 
     def close(self) -> None:
         """Forget the transfer actor; the channel belongs to the caller."""
@@ -183,10 +216,12 @@ class RemoteLink(Link):
         _, seq = self.slots.read(slot)
         empty = torch.empty(0, dtype=dst.dtype)
         nbytes = dst.numel() * dst.element_size()
-        event = SeqEvent(self.slots, slot, key, seq)
+        event = SeqEvent(self.slots, slot, key, seq, self.counters)
         transfer = Transfer((key[0], key[1]), slot, nbytes, priority, empty, dst, None, done=event)  # type: ignore[arg-type]
         tid = next(self._ids)
         self._id_of[transfer] = tid
+        if timed:
+            self._waiting[tid] = transfer
         self.channel.send(FetchExpert(tid, key[0], key[1], slot, priority, timed))
         return transfer
 

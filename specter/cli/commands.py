@@ -153,6 +153,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     print((args.prompt or "") + text if text or args.prompt else " ".join(map(str, tokens)))
     spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
+    if stats.get("pipelined"):
+        spec += f", pipelined: {stats['ahead_kept']}/{stats['ahead_asked']} rounds drafted ahead stood"
     where = f" via actors at {args.address}" if args.address else ""
     print(
         f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms "

@@ -24,6 +24,8 @@ from actors.draft import DraftActor
 from actors.transfer import TransferActor
 from actors.verifier import VerifierActor
 from specter.config import LinkConfig, SlotConfig
+from specter.draft.loading import check_draft_matches
+from specter.models.checkpoint import read_config_dict
 from specter.remote.endpoints import endpoint
 from specter.remote.segments import unlink_prefix
 
@@ -113,8 +115,12 @@ def launch(
             reachable for the wire fuzzer, which connects peers of its own later).
 
     Raises:
+        ValueError: the draft does not match the target (checked here when both folders are
+            readable from this process, before any actor starts).
         TimeoutError: the cluster has no room for the placement group (or an actor did not start).
     """
+    if draft is not None and Path(draft, "config.json").is_file() and Path(model, "config.json").is_file():
+        check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
     replica = replica or secrets.token_hex(3)
     roles = ["transfer", "verifier"] + (["draft"] if draft is not None else [])
     bundle: dict[str, float] = {"CPU": cpus_per_actor}

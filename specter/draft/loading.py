@@ -26,8 +26,9 @@ def load_draft(draft_dir: str | Path, device: str | torch.device | None = None, 
 
 
 def check_draft_matches(draft_config: dict, target_config: dict) -> None:
-    """A draft must share the target's vocabulary, layers, experts and hidden size."""
-    fields = ("vocab_size", "num_hidden_layers", "hidden_size", "num_experts_per_tok")
+    """A draft must be of the target's family and share its vocabulary, layers, experts, hidden and expert sizes."""
+    fields = ("model_type", "vocab_size", "num_hidden_layers", "hidden_size", "num_experts_per_tok", "intermediate_size",
+              "moe_intermediate_size")
     experts = ("num_local_experts", "num_experts", "n_routed_experts")
     wrong = [f"{f}: draft {draft_config.get(f)} vs target {target_config.get(f)}"
              for f in fields + experts if draft_config.get(f) != target_config.get(f)]

@@ -130,9 +130,14 @@ class DraftModel:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config = read_config_dict(resolve_model_dir(draft_dir))
         qconfig = config.get("quantization_config")
-        if not isinstance(qconfig, dict) or qconfig.get("format") != "pack-quantized":
+        if not isinstance(qconfig, dict):
+            raise CheckpointError(f"{draft_dir} is not a Specter draft: config.json has no quantization_config")
+        method, layout = qconfig.get("quant_method"), qconfig.get("format")
+        if method not in (None, "compressed-tensors") or layout != "pack-quantized":
             raise CheckpointError(
-                f"{draft_dir} is not a Specter draft: config.json has no pack-quantized quantization_config"
+                f"{draft_dir} is not a Specter draft: quantization_config has quant_method {method!r} and format "
+                f"{layout!r}; a draft is compressed-tensors 'pack-quantized' (written by `specter quantize`; "
+                "AutoAWQ and GPTQ checkpoints are not read yet), or any full-precision checkpoint"
             )
         loaded = build_dense(draft_dir)
         experts, packed_bytes = read_experts(loaded, qconfig)

@@ -97,14 +97,22 @@ def read_weight(
         raise ValueError(
             f"{module}.weight_scale has shape {tuple(scale.shape)}, which does not fit weight_shape {[out, inp]}"
         )
-    codes = unpack_int32(read(f"{module}.weight_packed"), num_bits, inp, dim=1)
-    zero = unpack_int32(read(f"{module}.weight_zero_point"), num_bits, out, dim=0)
+    codes = _unpack(read, f"{module}.weight_packed", num_bits, inp, dim=1)
+    zero = _unpack(read, f"{module}.weight_zero_point", num_bits, out, dim=0)
     if codes.shape != (out, inp) or zero.shape != (out, groups):
         raise ValueError(f"{module}: packed codes or zero points do not match weight_shape {[out, inp]}")
     awq = read(f"{module}.{AWQ_SCALE}").float() if has(f"{module}.{AWQ_SCALE}") else None
     if awq is not None and awq.shape != (inp,):
         raise ValueError(f"{module}.{AWQ_SCALE} has shape {tuple(awq.shape)}, expected ({inp},)")
     return QuantWeight(codes, scale, zero, num_bits, inp // groups, awq)
+
+
+def _unpack(read: Callable[[str], torch.Tensor], key: str, num_bits: int, size: int, dim: int) -> torch.Tensor:
+    """``unpack_int32`` of one stored tensor; a short (truncated) or misshapen one is named."""
+    try:
+        return unpack_int32(read(key), num_bits, size, dim=dim)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc} (truncated, or packed for other shapes or bits)") from None
 
 
 def quantization_config(schemes: dict[str, tuple[int, int, int]], ignore: Iterable[str]) -> dict[str, Any]:

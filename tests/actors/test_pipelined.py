@@ -154,3 +154,24 @@ def _drain(channel: Channel) -> list[object]:
     while (msg := channel.recv(0.2)) is not None:
         out.append(msg)
     return out
+
+
+def test_a_request_that_ends_with_a_round_drafted_ahead_leaves_the_next_one_exact(setup):
+    """An EOS ends a request while the draft may still be drafting ahead: the next request on the
+    same socket must not take any of that round's messages for its own (wire round ids)."""
+    folder, expected, _ = setup
+    same = ResidentDraft(folder)  # every round drafted ahead stands, so one is in flight at the EOS
+    eos = expected[9]
+    stop_at = expected.index(eos) + 1
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy="specter+fixed")
+    served = Served(same)
+    try:
+        engine = Engine(target, window=3, proposer=served.proposer, pipelined=True)
+        first, stats = engine.generate_fresh(PROMPT, NEW, eos_token_id=eos)
+        assert first == expected[:stop_at] and stats.extra["ahead_asked"] > 0
+        again, _ = engine.generate_fresh(PROMPT, NEW)
+        assert again == expected
+        assert served.proposer.stale["stale"] == 0  # the leftovers were recognised, not just tolerated
+    finally:
+        target.close()
+        served.close()

@@ -22,6 +22,7 @@ from specter.timing.clock import WallClock
 from specter.verify.sampling import probabilities
 
 OnPlan = Callable[[PlanDelta], None]
+OnPlans = Callable[[list[PlanDelta]], None]  # several plan deltas at once (a round drafted ahead)
 _SEED_MIX = 0x5851F42D4C957F2D  # draft sampling uses its own generator, seeded apart from the verifier's
 
 
@@ -65,7 +66,7 @@ class PipelinedProposer(Proposer, Protocol):
         """Whether the round drafted ahead stands, given the verify pass's outcome."""
 
     def take_ahead(
-        self, round_id: int, seq: list[int], on_plans: Callable[[list[PlanDelta]], None], ahead: int = 0
+        self, round_id: int, seq: list[int], on_plans: OnPlans, ahead: int = 0
     ) -> tuple[list[int], list[torch.Tensor]]:
         """The round drafted ahead as round ``round_id``'s draft."""
 

@@ -19,6 +19,7 @@ back to where they were before the round, and handles the message. ``ahead_round
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -194,9 +195,12 @@ class DraftServer:
         self._open = None
 
 
+@dataclass
 class _Open:
     """An optimistic round: where the draft stood before it (to undo it) and what it drafted."""
 
-    def __init__(self, round_id: int, cached: int, gen_state: torch.Tensor, route_last: bool):
-        self.round, self.cached, self.gen_state, self.route_last = round_id, cached, gen_state, route_last
-        self.drafts: list[int] = []
+    round: int
+    cached: int
+    gen_state: torch.Tensor
+    route_last: bool
+    drafts: list[int] = field(default_factory=list)

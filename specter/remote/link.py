@@ -17,7 +17,6 @@ the one they wait for, so the stray copy is harmless (docs/actors.md).
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 import weakref
@@ -31,25 +30,23 @@ from specter.experts.slots import Key
 from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
-from specter.remote.shm import SharedSlots, SlotTimeout
-
-log = logging.getLogger(__name__)
+from specter.remote.shm import MAX_SLEEP_S, SharedSlots
 
 _FOREVER_S = 1e9
+_PRUNE_AT = 4096
 _POLL_S = 50e-6  # close polling around a landing (a sleep this short wakes ~20 µs late here)
 _IDLE_S = 2e-3  # nothing due for this long: back off (the copy thread may be waiting on a pin)
-_MAX_SLEEP_S = 1e-3
 
 
 class SeqEvent(threading.Event):
     """Set once ``slots`` shows ``key`` published in ``slot`` at a sequence number after ``after``.
 
-    With the transfer side's ``counters``, ``wait`` sleeps while the transfer moving now is not due
-    (nothing can land before it does: one copy thread) and polls closely once it is, instead of a
-    backoff that wakes up to a millisecond late.
+    ``wait`` sleeps while the transfer moving now (``counters.due``) is not due — nothing can land
+    before it does: one copy thread — and polls closely once it is; when nothing has been due for a
+    while (the copy thread may be waiting on a pinned slot) it backs off like ``wait_ready``.
     """
 
-    def __init__(self, slots: SharedSlots, slot: int, key: Key, after: int, counters: SharedCounters | None = None):
+    def __init__(self, slots: SharedSlots, slot: int, key: Key, after: int, counters: SharedCounters):
         super().__init__()
         self.slots, self.slot, self.after, self.counters = slots, slot, after, counters
         self.key: Key = (key[0], key[1])
@@ -63,10 +60,13 @@ class SeqEvent(threading.Event):
             return True
         return False
 
-    def _wait_due(self, timeout: float) -> bool:
-        assert self.counters is not None
-        end = time.perf_counter() + timeout
-        idle = 0.0  # how long nothing has been due: then back off as ``wait_ready`` does
+    def started(self) -> bool:
+        """The slot has been claimed for a write since the transfer was submitted."""
+        return self.is_set() or self.slots.read(self.slot)[1] != self.after
+
+    def wait(self, timeout: float | None = None) -> bool:
+        end = time.perf_counter() + (_FOREVER_S if timeout is None else timeout)
+        idle = 0.0  # how long nothing has been due
         while not self.is_set():
             now = time.perf_counter()
             if now >= end:
@@ -77,24 +77,7 @@ class SeqEvent(threading.Event):
                 time.sleep(min(ahead - _POLL_S / 2, end - now))
             else:
                 idle += _POLL_S
-                time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, _MAX_SLEEP_S))
-        return True
-
-    def started(self) -> bool:
-        """The slot has been claimed for a write since the transfer was submitted."""
-        return self.is_set() or self.slots.read(self.slot)[1] != self.after
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self.is_set():
-            return True
-        if self.counters is not None:
-            return self._wait_due(_FOREVER_S if timeout is None else timeout)
-        try:
-            self.slots.wait_ready(self.slot, self.key, self.after + 1, _FOREVER_S if timeout is None else timeout)
-        except SlotTimeout as exc:
-            log.debug("%s", exc)
-            return False
-        self.set()
+                time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
         return True
 
 
@@ -222,6 +205,8 @@ class RemoteLink(Link):
         self._id_of[transfer] = tid
         if timed:
             self._waiting[tid] = transfer
+            if len(self._waiting) > _PRUNE_AT:  # policies that never ask ``queued`` keep it small too
+                self.queued()
         self.channel.send(FetchExpert(tid, key[0], key[1], slot, priority, timed))
         return transfer
 

@@ -20,13 +20,12 @@ request ended) can never pass for one of the running request's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import msgspec
 import torch
 
 from specter.config import SamplingConfig
-from specter.proposer import OnPlan
+from specter.proposer import OnPlan, OnPlans
 from specter.protocol import (
     AheadKeep,
     AheadStart,
@@ -37,8 +36,6 @@ from specter.protocol import (
     StartRequest,
 )
 from specter.remote.channel import Channel, DropLog
-
-OnPlans = Callable[[list[PlanDelta]], None]
 
 
 class DraftError(RuntimeError):
@@ -124,21 +121,14 @@ class RemoteProposer:
         _, k, route_last = self._ahead
         self.ahead_kept += 1
         self.channel.send(AheadKeep(wire, ahead))
-        early: list[PlanDelta] = []
-        tokens: DraftTokens | None = None
-        while tokens is None and (msg := self.channel.recv(0)) is not None:
-            if isinstance(msg, PlanDelta) and msg.round == wire:
-                early.append(self._local(msg))
-            elif isinstance(msg, DraftTokens) and msg.round == wire:
-                tokens = msg
-            elif isinstance(msg, Error):
-                raise DraftError(f"draft: {msg.where}: {msg.message}")
-            else:
-                self._drop(msg, wire)
+        early: list[PlanDelta] = []  # what came during the verify pass
+        msg = self._read(wire, 0.0)
+        while isinstance(msg, PlanDelta):
+            early.append(self._local(msg))
+            msg = self._read(wire, 0.0)
         if early:
             on_plans(early)
-        if tokens is None:
-            tokens = self._collect(wire, lambda delta: on_plans([self._local(delta)]))
+        tokens = msg if isinstance(msg, DraftTokens) else self._collect(wire, lambda d: on_plans([self._local(d)]))
         return self._finish(wire, seq, k, route_last, ahead, tokens)
 
     def rollback(self, length: int) -> None:
@@ -173,16 +163,34 @@ class RemoteProposer:
             self._ahead = None
 
     def _expect_start(self, wire: int) -> AheadStart:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
-            if msg is None:
-                raise DraftError(f"draft: no AheadStart for round {wire} within {self.timeout_s:.1f}s")
-            if isinstance(msg, AheadStart) and msg.round == wire:
+        while not isinstance(msg := self._wait(wire, "AheadStart"), AheadStart):
+            pass  # a plan delta before the round's start: none is sent
+        return msg
+
+    def _collect(self, wire: int, on_plan: OnPlan) -> DraftTokens:
+        while not isinstance(msg := self._wait(wire, "answer"), DraftTokens):
+            if isinstance(msg, PlanDelta):
+                on_plan(msg)
+        return msg
+
+    def _wait(self, wire: int, what: str) -> PlanDelta | DraftTokens | AheadStart:
+        """The next message of round ``wire`` within ``timeout_s``, else ``DraftError``."""
+        msg = self._read(wire, self.timeout_s)
+        if msg is None:
+            raise DraftError(f"draft: no {what} for round {wire} within {self.timeout_s:.1f}s")
+        return msg
+
+    def _read(self, wire: int, timeout_s: float) -> PlanDelta | DraftTokens | AheadStart | None:
+        """The next message of round ``wire`` (None when none came within ``timeout_s``); an
+        ``Error`` raises ``DraftError``, messages of other rounds are dropped (``_drop``)."""
+        deadline = time.monotonic() + timeout_s
+        while (msg := self.channel.recv(max(deadline - time.monotonic(), 0.0))) is not None:
+            if isinstance(msg, PlanDelta | DraftTokens | AheadStart) and msg.round == wire:
                 return msg
             if isinstance(msg, Error):
                 raise DraftError(f"draft: {msg.where}: {msg.message}")
             self._drop(msg, wire)
+        return None
 
     def _drop(self, msg: object, wire: int) -> None:
         """A message that is not for round ``wire``: quietly when it belongs to a thrown-away
@@ -192,18 +200,3 @@ class RemoteProposer:
             self.ahead_dropped += isinstance(msg, PlanDelta)
         else:
             self._ignore("stale", f"a {type(msg).__name__} that is not for round {wire}")
-
-    def _collect(self, wire: int, on_plan: OnPlan) -> DraftTokens:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            msg = self.channel.recv(max(deadline - time.monotonic(), 0.0))
-            if msg is None:
-                raise DraftError(f"draft: no answer for round {wire} within {self.timeout_s:.1f}s")
-            if isinstance(msg, PlanDelta) and msg.round == wire:
-                on_plan(msg)
-            elif isinstance(msg, DraftTokens) and msg.round == wire:
-                return msg
-            elif isinstance(msg, Error):
-                raise DraftError(f"draft: {msg.where}: {msg.message}")
-            else:
-                self._drop(msg, wire)

@@ -43,7 +43,10 @@ from specter.eval.fidelity import (
 )
 from specter.models.greedy import greedy_continuation
 
-METHODS = ("rtn", "awq", "int8", "fp")  # fp: the target itself as its own draft (a ceiling check)
+# fp: the target itself as its own draft (a ceiling check); awq-expert: AWQ in the per-expert layout
+# (a gate/up scale per expert, format specter-awq), against the default folded one (docs/draft.md).
+METHODS = ("rtn", "awq", "awq-expert", "int8", "fp")
+LAYOUT = {"awq": "folded", "awq-expert": "per-expert"}
 _T0 = time.perf_counter()
 
 
@@ -163,16 +166,18 @@ def make_draft(model_dir: Path, method: str, work: Path, args: argparse.Namespac
     if report_file.is_file() and report_file.stat().st_mtime > weights:
         report = json.loads(report_file.read_text())
         windows = report.get("calibration", {}).get("generated", {}).get("windows")
-        if (report.get("method"), report.get("quantizer_version"), windows) == (
-            method, QUANTIZER_VERSION, args.calib_generate
+        layout = (report.get("awq_search") or {}).get("layout")
+        if (report.get("method"), report.get("quantizer_version"), windows, layout) == (
+            method.removesuffix("-expert"), QUANTIZER_VERSION, args.calib_generate, LAYOUT.get(method)
         ):
             say(f"  {method}: reusing the draft in {out}")
             return load_draft(out), report
     say(f"  {method}: quantizing into {out}")
     report = quantize_model(
-        model_dir, out, method=method, calib_tokens=args.calib_tokens, group_size=args.group_size,
-        progress=args.verbose, calib_ids=calibration(model_dir, vocab, args) if method == "awq" else None,
-        generation=GenerationSpec(windows=args.calib_generate),
+        model_dir, out, method=method.removesuffix("-expert"), calib_tokens=args.calib_tokens,
+        group_size=args.group_size, progress=args.verbose,
+        calib_ids=calibration(model_dir, vocab, args) if method in LAYOUT else None,
+        generation=GenerationSpec(windows=args.calib_generate), layout=LAYOUT.get(method, "folded"),
     )
     return load_draft(out), report
 
@@ -260,6 +265,15 @@ def study(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str, An
         interval = paired_bootstrap(parts["awq"], parts["rtn"], samples=args.bootstrap, seed=args.seed)
         prompt_interval = paired_bootstrap(prompt_parts["awq"], prompt_parts["rtn"], samples=args.bootstrap,
                                            seed=args.seed)
+    layout = prompt_layout = None
+    if "awq" in parts and "awq-expert" in parts and len(prompts) > 1 and args.bootstrap:
+        say("  paired bootstrap AWQ per-expert - AWQ folded over prompts")
+        pair = {"awq": rows["awq-expert"], "rtn": rows["awq"]}
+        layout = awq_verdict(pair, paired_bootstrap(parts["awq-expert"], parts["awq"], samples=args.bootstrap,
+                                                    seed=args.seed))
+        pair_prompts = {"awq": prompt_rows["awq-expert"], "rtn": prompt_rows["awq"]}
+        prompt_layout = awq_verdict(pair_prompts, paired_bootstrap(
+            prompt_parts["awq-expert"], prompt_parts["awq"], samples=args.bootstrap, seed=args.seed))
     distinct = [len(set(c)) / len(c) for c in continuations]
     return {
         "model": str(model_dir),
@@ -279,6 +293,8 @@ def study(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str, An
         "prompt_positions": sum(len(p) for p in prompts),
         "prompt_rows": prompt_rows,
         "prompt_verdict": awq_verdict(prompt_rows, prompt_interval),
+        "layout_verdict": layout,
+        "prompt_layout_verdict": prompt_layout,
         "continuation_distinct_fraction": distinct,
     }
 
@@ -367,7 +383,23 @@ def model_section(result: dict[str, Any]) -> str:
         "Real text, " + verdict_line(result["prompt_verdict"], result["prompt_rows"]),
         "",
         delta_table(result["prompt_verdict"]),
+        *[
+            part
+            for key, where in (("layout_verdict", "Continuations, "), ("prompt_layout_verdict", "Real text, "))
+            if result.get(key)
+            for part in ("", where + verdict_line(result[key], _layout_rows(result, key), LAYOUT_NAMES), "",
+                         delta_table(result[key]))
+        ],
     ])
+
+
+LAYOUT_NAMES = ("AWQ per-expert", "AWQ folded")
+
+
+def _layout_rows(result: dict[str, Any], key: str) -> dict[str, dict[str, float]]:
+    """The rows a layout verdict compares, under the names ``awq_verdict`` reads."""
+    rows = result["rows"] if key == "layout_verdict" else result["prompt_rows"]
+    return {"awq": rows["awq-expert"], "rtn": rows["awq"]}
 
 
 DOC_HEAD = """# Draft fidelity: RTN int4, AWQ int4 and int8 drafts
@@ -464,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
             print(markdown_table(result["prompt_rows"]))
             print("real text, " + verdict_line(result["prompt_verdict"], result["prompt_rows"]))
             print(delta_table(result["prompt_verdict"]), flush=True)
+            for key, where in (("layout_verdict", ""), ("prompt_layout_verdict", "real text, ")):
+                if result.get(key):
+                    print(where + verdict_line(result[key], _layout_rows(result, key), LAYOUT_NAMES))
+                    print(delta_table(result[key]), flush=True)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,14 @@ fi
 # outside this folder: Ray workers and `ray job submit` entrypoints run elsewhere).
 installed=$(cd / && python3 -c "import specter, os; print(os.path.dirname(os.path.dirname(os.path.realpath(specter.__file__))))" \
             2>/dev/null || true)
-if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy" 2>/dev/null \
+if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy, compressed_tensors" 2>/dev/null \
    || [ "$installed" != "$(pwd -P)" ] || [ pyproject.toml -nt .install-stamp ]; then
   python3 -m pip install --quiet -e ".[dev]"
   touch .install-stamp
+fi
+# AutoAWQ builds the AutoAWQ-format drafts of tests/draft/test_published_drafts.py with its own
+# packing code. It is archived and pins an older torch, so it goes in without its dependencies
+# (the one it needs to import, datasets, is in the dev extra).
+if ! python3 -c "import awq" 2>/dev/null; then
+  python3 -m pip install --quiet --no-deps --no-build-isolation "autoawq==0.2.9"
 fi

@@ -36,10 +36,22 @@ _KERNEL_GROUPS = (32, 64, 128, 256)
 ExpertWeights = tuple[QuantWeight, QuantWeight, QuantWeight]
 
 
+def can_fuse(top: QuantWeight, bottom: QuantWeight) -> bool:
+    """Whether gate and up stack into one weight: same bits, groups, AWQ scale and act-order."""
+
+    def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+    return (top.group_size == bottom.group_size and top.num_bits == bottom.num_bits
+            and same(top.awq_scale, bottom.awq_scale) and same(top.order, bottom.order))
+
+
 def fuse_rows(top: QuantWeight, bottom: QuantWeight) -> QuantWeight:
     """Stack gate and up into one ``(2I, H)`` quantized weight (they share group size and AWQ scale)."""
     if top.group_size != bottom.group_size or top.num_bits != bottom.num_bits:
         raise ValueError("gate and up must share num_bits and group_size")
+    if not can_fuse(top, bottom):
+        raise ValueError("gate and up must share one input order (act-order)")
     awq_top, awq_bottom = top.awq_scale, bottom.awq_scale
     if (awq_top is None) != (awq_bottom is None) or (
         awq_top is not None and awq_bottom is not None and not torch.equal(awq_top, awq_bottom)
@@ -52,6 +64,7 @@ def fuse_rows(top: QuantWeight, bottom: QuantWeight) -> QuantWeight:
         top.num_bits,
         top.group_size,
         top.awq_scale,
+        top.order,
     )
 
 
@@ -90,11 +103,14 @@ class _Int4:
         self.scale_zero = torch.stack([scale.T, shift.T], dim=-1).contiguous().to(device, dtype)
         self.group = quant.group_size
         self.inv_awq = None if quant.awq_scale is None else (1.0 / quant.awq_scale).to(device, dtype)
+        self.order = None if quant.order is None else quant.order.to(device)
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.inv_awq is not None:
             x = x * self.inv_awq
+        if self.order is not None:  # act-order: the codes' columns are the input's in this order
+            x = x[:, self.order]
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, self.group, self.scale_zero
         )
@@ -109,16 +125,28 @@ class _OnTheFly:
         self.bits, self.group = quant.num_bits, quant.group_size
         self.scale, self.zero = quant.scale.to(device), quant.zero.to(device)
         self.awq = None if quant.awq_scale is None else quant.awq_scale.to(device)
+        self.order = None if quant.order is None else quant.order.to(device)
         self.dtype = dtype
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         codes = unpack_int32(self.words, self.bits, self.shape[1], dim=1)
-        quant = QuantWeight(codes, self.scale, self.zero, self.bits, self.group, self.awq)
+        quant = QuantWeight(codes, self.scale, self.zero, self.bits, self.group, self.awq, self.order)
         return F.linear(x, quant.dequantize(self.dtype))
 
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Pair:
+    """Gate and up as two projections (they could not be stacked into one weight)."""
+
+    def __init__(self, gate: Projection, up: Projection):
+        self.gate, self.up = gate, up
+        self.nbytes = gate.nbytes + up.nbytes  # type: ignore[attr-defined]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.gate(x), self.up(x)], dim=-1)
 
 
 class ExpertKernels:
@@ -143,7 +171,10 @@ class ExpertKernels:
         self._gate_up: dict[Key, Projection] = {}
         self._down: dict[Key, Projection] = {}
         for key, (gate, up, down) in experts.items():
-            self._gate_up[key] = self._make(fuse_rows(gate, up), dtype, device)
+            if can_fuse(gate, up):
+                self._gate_up[key] = self._make(fuse_rows(gate, up), dtype, device)
+            else:  # act-order checkpoints order gate's and up's inputs differently
+                self._gate_up[key] = _Pair(self._make(gate, dtype, device), self._make(up, dtype, device))
             self._down[key] = self._make(down, dtype, device)
         if self.kernel_fallbacks:
             log.info(
@@ -178,7 +209,8 @@ def time_modes(
 ) -> dict[str, float]:
     """Median seconds of one expert's gate_up + down on ``tokens`` tokens, per usable mode."""
     modes = ["dequant-cache", "dequant-on-the-fly"]
-    if device.type == "cpu" and all(kernel_accepts(q) for q in (fuse_rows(expert[0], expert[1]), expert[2])):
+    gate_up = [fuse_rows(expert[0], expert[1])] if can_fuse(expert[0], expert[1]) else list(expert[:2])
+    if device.type == "cpu" and all(kernel_accepts(q) for q in (*gate_up, expert[2])):
         modes.insert(0, "int4-kernel")
     x = torch.randn(tokens, expert[0].shape[1], dtype=dtype, device=device)
     out: dict[str, float] = {}

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specter.draft.format.pack import AWQ_SCALE, PACKED_SUFFIXES, bits_for, read_weight
+from specter.draft.format.published import Scheme, UnsupportedDraftFormat, quantized_modules, scheme_for
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
+from specter.models.families import family_for
 from specter.models.loader import LoadedModel, build_dense
 from specter.models.routing import Routing, router_modules
 
@@ -132,15 +133,23 @@ class DraftModel:
         qconfig = config.get("quantization_config")
         if not isinstance(qconfig, dict):
             raise CheckpointError(f"{draft_dir} is not a Specter draft: config.json has no quantization_config")
-        method, layout = qconfig.get("quant_method"), qconfig.get("format")
-        if method not in (None, "compressed-tensors") or layout != "pack-quantized":
+        try:
+            scheme = scheme_for(qconfig)
+        except UnsupportedDraftFormat as exc:
             raise CheckpointError(
-                f"{draft_dir} is not a Specter draft: quantization_config has quant_method {method!r} and format "
-                f"{layout!r}; a draft is compressed-tensors 'pack-quantized' (written by `specter quantize`; "
-                "AutoAWQ and GPTQ checkpoints are not read yet), or any full-precision checkpoint"
-            )
-        loaded = build_dense(draft_dir)
-        experts, packed_bytes = read_experts(loaded, qconfig)
+                f"{draft_dir} cannot be read as a draft: {exc} (or use any full-precision checkpoint)"
+            ) from None
+        checkpoint = Checkpoint(draft_dir)
+        keys = set(checkpoint.entries)
+        family = family_for(config.get("model_type"))
+        modules = quantized_modules(scheme, keys)
+        dense = [m for m in modules if not family.is_expert_key(f"{m}.weight")]
+        replace = {
+            f"{m}.weight": scheme.read(m, checkpoint.read, keys.__contains__).dequantize() for m in dense
+        }
+        skip = frozenset(f"{m}.{part}" for m in modules for part in scheme.parts)
+        loaded = build_dense(draft_dir, replace=replace, skip=skip)
+        experts, packed_bytes = read_experts(loaded, scheme)
         timings: dict[str, float] = {}
         if mode == "auto":
             mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
@@ -208,10 +217,11 @@ class DraftModel:
 
 
 def read_experts(
-    loaded: LoadedModel, qconfig: dict[str, Any]
+    loaded: LoadedModel, scheme: Scheme
 ) -> tuple[dict[tuple[int, int], ExpertWeights], int]:
-    """Every packed expert of the draft as quantized weights, and their packed byte count."""
+    """Every quantized expert of the draft as quantized weights, and their packed byte count."""
     checkpoint: Checkpoint = loaded.checkpoint
+    keys = set(checkpoint.entries)
     experts: dict[tuple[int, int], ExpertWeights] = {}
     nbytes = 0
     for layer in loaded.moe_layers:
@@ -219,13 +229,14 @@ def read_experts(
             weights = []
             for key in loaded.family.expert_keys(layer, expert):
                 module = key.removesuffix(".weight")
-                weights.append(
-                    read_weight(
-                        module, checkpoint.read, checkpoint.entries.__contains__, bits_for(module, qconfig)
+                if f"{module}.{scheme.main}" not in keys:
+                    raise CheckpointError(
+                        f"draft expert {module!r} is not quantized in {checkpoint.dir} (no {module}.{scheme.main}); "
+                        f"a draft's routed experts are all quantized"
                     )
-                )
-                parts = (f"{module}.{suffix}" for suffix in (*PACKED_SUFFIXES, AWQ_SCALE))
-                nbytes += sum(checkpoint.entries[k].nbytes for k in parts if k in checkpoint.entries)
+                weights.append(scheme.read(module, checkpoint.read, keys.__contains__))
+                parts = (f"{module}.{suffix}" for suffix in scheme.parts)
+                nbytes += sum(checkpoint.entries[k].nbytes for k in parts if k in keys)
             experts[(layer, expert)] = (weights[0], weights[1], weights[2])
     _check_shapes(loaded, experts)
     return experts, nbytes

@@ -397,10 +397,14 @@ def awq_verdict(
     return out
 
 
-def verdict_line(v: dict[str, Any], rows: dict[str, dict[str, float]]) -> str:
-    """A one-line statement of the verdict with the numbers behind it."""
+def verdict_line(
+    v: dict[str, Any], rows: dict[str, dict[str, float]], names: tuple[str, str] = ("AWQ", "RTN")
+) -> str:
+    """A one-line statement of the verdict with the numbers behind it (``names``: what the rows
+    ``awq`` and ``rtn`` of ``awq_verdict`` stand for)."""
+    a, b = names
     if v["verdict"] == "n/a":
-        return f"AWQ vs RTN: n/a ({v['reason']})"
+        return f"{a} vs {b}: n/a ({v['reason']})"
 
     def show(names: list[str]) -> str:
         return ", ".join(
@@ -408,14 +412,14 @@ def verdict_line(v: dict[str, Any], rows: dict[str, dict[str, float]]) -> str:
         ) or "none"
 
     line = (
-        f"AWQ vs RTN: **{v['verdict']}** — better on: {show(v['better'])}; worse on: {show(v['worse'])}; "
+        f"{a} vs {b}: **{v['verdict']}** — better on: {show(v['better'])}; worse on: {show(v['worse'])}; "
         f"equal on: {', '.join(header(n) for n in v['equal']) or 'none'}."
     )
     if "interval_awq_minus_rtn" in v:
         clear_w = ", ".join(header(n) for n in v["clearly_worse"]) or "none"
         clear_b = ", ".join(header(n) for n in v["clearly_better"]) or "none"
         line += (
-            f" Paired bootstrap over prompts (95 % interval of AWQ − RTN excludes 0): clearly better on {clear_b}; "
+            f" Paired bootstrap over prompts (95 % interval of {a} − {b} excludes 0): clearly better on {clear_b}; "
             f"clearly worse on {clear_w}."
         )
     return line

@@ -69,8 +69,17 @@ def load_config(model_dir: str | Path) -> tuple[Checkpoint, PretrainedConfig, Fa
     return checkpoint, config, family
 
 
-def build_dense(model_dir: str | Path, dtype: torch.dtype | None = None) -> LoadedModel:
-    """The transformers model with every dense tensor loaded and no routed expert materialized."""
+def build_dense(
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    replace: dict[str, torch.Tensor] | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> LoadedModel:
+    """The transformers model with every dense tensor loaded and no routed expert materialized.
+
+    ``replace``: disk key → tensor read instead of the checkpoint (a quantized checkpoint's dense
+    modules, dequantized: ``<module>.weight``); ``skip``: disk keys not to read (their packed parts).
+    """
     checkpoint, config, family = load_config(model_dir)
     dtype = dtype or _config_dtype(config)
     with init_empty_weights(include_buffers=False):
@@ -83,7 +92,7 @@ def build_dense(model_dir: str | Path, dtype: torch.dtype | None = None) -> Load
     shape = ExpertShape(hidden=hidden, intermediate=two_i // 2, dtype=dtype)
     for module in experts.values():
         _drop_fused(module)
-    dense_bytes = _load_dense(model, checkpoint, family)
+    dense_bytes = _load_dense(model, checkpoint, family, replace or {}, skip)
     model.eval()
     top_k = int(config.num_experts_per_tok)
     return LoadedModel(
@@ -126,20 +135,26 @@ def _drop_fused(module: torch.nn.Module) -> None:
             del module._parameters[name]
 
 
-def _load_dense(model: PreTrainedModel, checkpoint: Checkpoint, family: Family) -> int:
+def _load_dense(
+    model: PreTrainedModel,
+    checkpoint: Checkpoint,
+    family: Family,
+    replace: dict[str, torch.Tensor],
+    skip: frozenset[str],
+) -> int:
     """Read every dense tensor into the model; error on any missing or unexpected tensor."""
     expected: dict[str, torch.Tensor] = dict(model.named_parameters())
     expected.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
     state: dict[str, torch.Tensor] = {}
     nbytes = 0
-    for key in sorted(checkpoint.entries):
+    for key in sorted(set(checkpoint.entries) - skip | set(replace)):
         if family.is_expert_key(key):
             continue
         name = family.memory_name(key)
         if name not in expected:
             log.warning("ignoring tensor %r from the checkpoint: the model has no %r", key, name)
             continue
-        tensor = checkpoint.read(key)
+        tensor = replace[key] if key in replace else checkpoint.read(key)
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
                 f"tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"

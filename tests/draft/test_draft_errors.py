@@ -31,16 +31,44 @@ def _edit_config(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    ("method", "layout"), [("gptq", None), ("awq", "gemm"), ("compressed-tensors", "int-quantized")]
+    ("method", "layout", "named"),
+    [
+        ("bitsandbytes", None, "quant_method 'bitsandbytes' is not read as a draft"),
+        ("awq", "gemv", "AutoAWQ version 'gemv' is not read"),
+        ("compressed-tensors", "int-quantized", "compressed-tensors format 'int-quantized' is not read"),
+    ],
 )
-def test_another_quantization_format_is_named(draft_dir, tmp_path, method, layout) -> None:
+def test_another_quantization_format_is_named(draft_dir, tmp_path, method, layout, named) -> None:
     folder = _copy(draft_dir("mixtral", "rtn"), tmp_path)
 
     def edit(q: dict) -> None:
-        q["quant_method"], q["format"] = method, layout
+        q["quant_method"], q["format"], q["version"] = method, layout, layout
 
     _edit_config(folder, edit)
-    with pytest.raises(CheckpointError, match=f"quant_method '{method}' and format {layout!r}.*pack-quantized"):
+    with pytest.raises(CheckpointError, match=named):
+        DraftModel.load(folder, device="cpu", mode="dequant-cache")
+
+
+def test_a_published_format_whose_tensors_are_not_there_names_the_module(draft_dir, tmp_path) -> None:
+    folder = _copy(draft_dir("mixtral", "rtn"), tmp_path)
+
+    def edit(q: dict) -> None:
+        q["quant_method"], q["bits"], q["group_size"] = "gptq", 4, 32
+
+    _edit_config(folder, edit)
+    with pytest.raises(CheckpointError, match=r"experts\.0\.w1' is not quantized.*no .*\.w1\.qweight"):
+        DraftModel.load(folder, device="cpu", mode="dequant-cache")
+
+
+@pytest.mark.parametrize(("method", "bits"), [("gptq", 3), ("awq", 8)])
+def test_a_published_format_in_an_unread_bit_width_names_the_field(draft_dir, tmp_path, method, bits) -> None:
+    folder = _copy(draft_dir("mixtral", "rtn"), tmp_path)
+
+    def edit(q: dict) -> None:
+        q["quant_method"], q["bits"], q["version"] = method, bits, "gemm"
+
+    _edit_config(folder, edit)
+    with pytest.raises(CheckpointError, match=f"quantization_config.bits: .* got {bits}"):
         DraftModel.load(folder, device="cpu", mode="dequant-cache")
 
 

@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
+from specter.draft.format.published import scheme_for
 from specter.draft.kernels import ExpertKernels
 from specter.draft.quantize.calibrate import GenerationSpec
 from specter.draft.quantize.model import quantize_model
@@ -32,8 +34,15 @@ def _target(folder) -> torch.nn.Module:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_draft_equals_transformers_with_its_dequantized_experts(family, plain_dir, draft_dir) -> None:
     draft = DraftModel.load(draft_dir(family, "awq"), device="cpu", mode="dequant-cache")
-    experts, _ = read_experts(draft.loaded, draft.loaded.checkpoint.config["quantization_config"])
+    experts, _ = read_experts(draft.loaded, scheme_for(draft.loaded.checkpoint.config["quantization_config"]))
     target = _target(plain_dir(family))
+    # The draft's dense tensors (its norms and routers hold the folded AWQ scales), by memory name.
+    family_ = draft.loaded.family
+    dense = load_file(str(draft_dir(family, "awq") / "model.safetensors"))
+    state = {family_.memory_name(k): t for k, t in dense.items() if not family_.is_expert_key(k)}
+    missing = set(state) - set(target.state_dict())
+    assert not missing, missing
+    target.load_state_dict(state, strict=False)
     with torch.no_grad():
         for layer, module in enumerate(target.model.layers):
             fused = getattr(module.mlp, "experts", None)
@@ -130,8 +139,15 @@ def test_draft_folder_contents(plain_dir, draft_dir) -> None:
         keys = set(out.keys())
         assert "model.layers.0.block_sparse_moe.experts.3.w1.weight_packed" in keys
         assert not any(k.endswith("w1.weight") for k in keys)
-        for key in ("model.embed_tokens.weight", "model.layers.1.block_sparse_moe.gate.weight"):
-            assert torch.equal(out.get_tensor(key), src.get_tensor(key))  # dense parts unchanged
+        assert torch.equal(out.get_tensor("model.embed_tokens.weight"), src.get_tensor("model.embed_tokens.weight"))
+        for layer, fold in report["layers"].items():  # the router and the norm change only by a folded scale
+            router, norm = (f"model.layers.{layer}.{n}.weight" for n in ("block_sparse_moe.gate", "post_attention_layernorm"))
+            if fold["input_scale"] is None:
+                assert torch.equal(out.get_tensor(router), src.get_tensor(router))
+                continue
+            s = src.get_tensor(norm) / out.get_tensor(norm)
+            torch.testing.assert_close(out.get_tensor(router), src.get_tensor(router) * s)
+            assert not torch.allclose(s, torch.ones_like(s))
     draft = DraftModel.load(folder, device="cpu", mode="dequant-cache")
     assert draft.device_bytes == draft.packed_bytes + draft.dense_bytes
     assert draft.packed_bytes == report["packed_bytes"]
@@ -185,7 +201,7 @@ def test_bf16_checkpoint_keeps_bf16_scales_and_dense_parts(tmp_path, calib_ids) 
 
 def _same_experts_loop(plain: str, draft_folder: str, dtype: torch.dtype) -> None:
     draft = DraftModel.load(draft_folder, device="cpu", mode="dequant-cache")
-    experts, _ = read_experts(draft.loaded, draft.loaded.checkpoint.config["quantization_config"])
+    experts, _ = read_experts(draft.loaded, scheme_for(draft.loaded.checkpoint.config["quantization_config"]))
     layer = draft.loaded.moe_layers[0]
     module = draft.loaded.experts_modules[layer]
     reference = _target(plain).model.layers[layer].mlp.experts.to(dtype)

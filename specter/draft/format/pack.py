@@ -10,8 +10,10 @@ Per quantized projection ``P`` (a per-expert module name such as
 * ``P.weight_zero_point`` int32 ``(ceil(out / (32 / bits)), in / group)``: signed zero points
   shifted and packed the same way, along the *output* dim;
 * ``P.weight_shape``   int64 ``[out, in]``;
-* ``P.weight_awq_scale`` fp32 ``(in,)`` — Specter's extra, present only where AWQ chose α > 0:
-  the runtime divides the projection's input by it (see docs/draft.md).
+* ``P.weight_awq_scale`` fp32 ``(in,)`` — only in AWQ's ``per-expert`` layout, where AWQ chose
+  α > 0: the runtime divides the projection's input by it (see docs/draft.md). Such a file is
+  marked with the format ``specter-awq``, which stock readers refuse; the default ``folded``
+  layout has no such tensor and is plain ``pack-quantized``.
 
 ``config.json`` carries the matching ``quantization_config`` block.
 """
@@ -27,6 +29,12 @@ import torch
 from specter.draft.format.qweight import QuantWeight
 
 AWQ_SCALE = "weight_awq_scale"
+PACK_QUANTIZED = "pack-quantized"
+# The format of a draft whose projections carry ``weight_awq_scale`` (AWQ's per-expert layout): a
+# name compressed-tensors does not know, so stock readers refuse the file rather than compute
+# ``Q(W s)`` as if it were ``W``.
+SPECTER_AWQ = "specter-awq"
+FORMATS = (PACK_QUANTIZED, SPECTER_AWQ)
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
 
@@ -84,10 +92,16 @@ def weight_tensors(module: str, quant: QuantWeight) -> dict[str, torch.Tensor]:
 
 
 def read_weight(
-    module: str, read: Callable[[str], torch.Tensor], has: Callable[[str], bool], num_bits: int
+    module: str,
+    read: Callable[[str], torch.Tensor],
+    has: Callable[[str], bool],
+    num_bits: int,
+    symmetric: bool = False,
 ) -> QuantWeight:
-    """Rebuild a ``QuantWeight`` from its on-disk tensors (``read(key)`` returns one tensor)."""
-    missing = [f"{module}.{s}" for s in PACKED_SUFFIXES if not has(f"{module}.{s}")]
+    """Rebuild a ``QuantWeight`` from its on-disk tensors (``read(key)`` returns one tensor);
+    ``symmetric``: the scheme stores no zero point (all zero)."""
+    needed = [s for s in PACKED_SUFFIXES if not (symmetric and s == "weight_zero_point")]
+    missing = [f"{module}.{s}" for s in needed if not has(f"{module}.{s}")]
     if missing:
         raise ValueError(f"packed weight {module!r} is incomplete: missing {missing}")
     out, inp = (int(v) for v in read(f"{module}.weight_shape").tolist())
@@ -98,7 +112,11 @@ def read_weight(
             f"{module}.weight_scale has shape {tuple(scale.shape)}, which does not fit weight_shape {[out, inp]}"
         )
     codes = _unpack(read, f"{module}.weight_packed", num_bits, inp, dim=1)
-    zero = _unpack(read, f"{module}.weight_zero_point", num_bits, out, dim=0)
+    zero = (
+        torch.zeros(out, groups, dtype=torch.int8)
+        if symmetric
+        else _unpack(read, f"{module}.weight_zero_point", num_bits, out, dim=0)
+    )
     if codes.shape != (out, inp) or zero.shape != (out, groups):
         raise ValueError(f"{module}: packed codes or zero points do not match weight_shape {[out, inp]}")
     awq = read(f"{module}.{AWQ_SCALE}").float() if has(f"{module}.{AWQ_SCALE}") else None
@@ -115,14 +133,19 @@ def _unpack(read: Callable[[str], torch.Tensor], key: str, num_bits: int, size: 
         raise ValueError(f"{key}: {exc} (truncated, or packed for other shapes or bits)") from None
 
 
-def quantization_config(schemes: dict[str, tuple[int, int, int]], ignore: Iterable[str]) -> dict[str, Any]:
+def quantization_config(
+    schemes: dict[str, tuple[int, int, int]], ignore: Iterable[str], fmt: str = PACK_QUANTIZED
+) -> dict[str, Any]:
     """The ``quantization_config`` block of config.json.
 
     Args:
         schemes: target regex (matched against module names) → (num_bits, group_size, in_dim);
             a group size equal to the input dim is written as the ``channel`` strategy.
         ignore: module names left in full precision.
+        fmt: ``pack-quantized``, or ``specter-awq`` where projections carry ``weight_awq_scale``.
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     grouped: dict[tuple[int, int | None, str], list[str]] = {}
     for target, (bits, group, in_dim) in schemes.items():
         strategy = "channel" if group == in_dim else "group"
@@ -146,13 +169,13 @@ def quantization_config(schemes: dict[str, tuple[int, int, int]], ignore: Iterab
             },
             "input_activations": None,
             "output_activations": None,
-            "format": "pack-quantized",
+            "format": fmt,
         }
         for n, ((bits, group, strategy), targets) in enumerate(sorted(grouped.items(), key=str))
     }
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": fmt,
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": sorted(set(ignore)),
@@ -161,16 +184,27 @@ def quantization_config(schemes: dict[str, tuple[int, int, int]], ignore: Iterab
     }
 
 
-def bits_for(module: str, qconfig: dict[str, Any]) -> int:
-    """``num_bits`` of the config group whose target matches ``module``."""
-    for name, group in qconfig.get("config_groups", {}).items():
+def group_for(module: str, qconfig: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The config group whose target names ``module`` (a regex or its name); else the group that
+    targets the class ``Linear`` (llm-compressor's presets), every packed module being one."""
+    groups = qconfig.get("config_groups", {})
+    for name, group in groups.items():
         for target in group.get("targets", []):
             pattern = target[3:] if target.startswith("re:") else re.escape(target)
             if re.fullmatch(pattern, module):
-                bits = int(group["weights"]["num_bits"])
-                _check_bits(bits, f"quantization_config.config_groups.{name}.weights.num_bits")
-                return bits
+                return name, group
+    for name, group in groups.items():
+        if "Linear" in group.get("targets", []):
+            return name, group
     raise ValueError(f"no quantization_config group targets module {module!r}")
+
+
+def bits_for(module: str, qconfig: dict[str, Any]) -> int:
+    """``num_bits`` of the config group that holds ``module``."""
+    name, group = group_for(module, qconfig)
+    bits = int(group["weights"]["num_bits"])
+    _check_bits(bits, f"quantization_config.config_groups.{name}.weights.num_bits")
+    return bits
 
 
 def _check_bits(num_bits: int, field: str = "num_bits") -> None:

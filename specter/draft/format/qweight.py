@@ -37,6 +37,9 @@ class QuantWeight:
         num_bits: 4 or 8.
         group_size: input channels per group (``in`` for one group per row, i.e. per channel).
         awq_scale: fp32 ``(in,)`` AWQ input-channel scale ``s``, or None (plain round-to-nearest).
+        order: int64 ``(in,)`` for act-order checkpoints (GPTQ's ``g_idx``): stored column ``j`` is
+            the weight's input channel ``order[j]`` (groups are contiguous in stored order); None:
+            stored order is the weight's.
     """
 
     codes: torch.Tensor
@@ -45,6 +48,11 @@ class QuantWeight:
     num_bits: int
     group_size: int
     awq_scale: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.order is not None and self.awq_scale is not None:
+            raise ValueError("a weight has either an AWQ scale or an act-order, not both")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,7 +71,8 @@ class QuantWeight:
         return nbytes
 
     def dequantize_scaled(self) -> torch.Tensor:
-        """``(codes - zero) * scale`` in fp32: the weight *before* dividing by the AWQ scale."""
+        """``(codes - zero) * scale`` in fp32, in stored column order: the weight *before* dividing
+        by the AWQ scale (and before undoing an act-order)."""
         out, inp = self.shape
         groups = self.scale.shape[1]
         codes = self.codes.view(out, groups, inp // groups).float()
@@ -75,6 +84,8 @@ class QuantWeight:
         weight = self.dequantize_scaled()
         if self.awq_scale is not None:
             weight = weight / self.awq_scale.float()
+        if self.order is not None:
+            weight = torch.empty_like(weight).index_copy_(1, self.order, weight)
         return weight.to(dtype)
 
 

@@ -40,6 +40,11 @@ from specter.draft.quantize.clip import clip_ratios, search_clip
 log = logging.getLogger(__name__)
 
 METHODS = ("awq", "rtn", "int8")
+# Where AWQ's gate/up input scale lives: ``folded`` (one scale per layer, folded into the draft's
+# post-attention norm and the other readers of it; each expert's down scale folded into its up
+# rows: plain W4A16 that stock readers compute right) or ``per-expert`` (a scale per expert and
+# projection, stored as ``weight_awq_scale``: only Specter reads it, stock readers refuse it).
+LAYOUTS = ("folded", "per-expert")
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -57,6 +62,7 @@ class QuantSpec:
         clip_grid: clipping ratios tried from 1.0 down to ``clip_min`` (1: no clipping search).
         clip_min: the smallest clipping ratio, in (0, 1].
         router_weighted: weight each token's error by its squared router weight.
+        layout: ``folded`` | ``per-expert`` (see ``LAYOUTS``); only AWQ has a scale to place.
     """
 
     method: str = "awq"
@@ -67,6 +73,7 @@ class QuantSpec:
     clip_grid: int = 11
     clip_min: float = 0.5
     router_weighted: bool = True
+    layout: str = "folded"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -79,6 +86,8 @@ class QuantSpec:
             raise ValueError(f"clip_grid must be a positive integer, got {self.clip_grid}")
         if not 0.0 < self.clip_min <= 1.0:
             raise ValueError(f"clip_min must lie in (0, 1], got {self.clip_min}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
 
     @property
     def num_bits(self) -> int:
@@ -124,6 +133,8 @@ class QuantExpert:
         clip_gate_up, clip_down: mean clipping ratio (None unless AWQ ran).
         out_err, out_ref: router-weighted ``Σ ‖y − ŷ‖²`` and ``Σ ‖y‖²`` of the expert's output
             with all three projections quantized, over its calibration tokens.
+        down_scale: the folded layout's down scale ``s``, already folded (up's rows hold ``1/s``,
+            down is ``Q(D s)`` with no scale of its own); None where nothing was folded.
     """
 
     gate: QuantWeight
@@ -141,6 +152,15 @@ class QuantExpert:
     clip_down: float | None = None
     out_err: float = 0.0
     out_ref: float = 0.0
+    down_scale: torch.Tensor | None = None
+
+    def effective(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up (2I, H), down (H, I))`` in fp32 as they act on the expert's original input,
+        with a down scale folded into up (``down_scale``) moved back to down."""
+        up, down = self.up.dequantize(), self.down.dequantize()
+        if self.down_scale is not None:
+            up, down = up * self.down_scale.unsqueeze(-1), down / self.down_scale
+        return torch.cat([self.gate.dequantize(), up]), down
 
 
 def output_error(
@@ -178,7 +198,8 @@ class ExpertLoss:
     ):
         self.x, self.down, self.act = x.float(), down.float(), act
         n = x.shape[0]
-        self.w = torch.ones(n) if token_weight is None else token_weight.float() / token_weight.float().mean()
+        self.raw = torch.ones(n) if token_weight is None else token_weight.float()
+        self.w = self.raw / self.raw.mean()
         self.y = self.output(gate_up.float())
 
     def output(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -188,6 +209,11 @@ class ExpertLoss:
     def __call__(self, quant: QuantWeight) -> float:
         diff = (self.output(quant.dequantize()) - self.y).double().pow(2).sum(-1)
         return float((diff * self.w.double()).sum()) / (self.x.shape[0] * self.y.shape[1])
+
+    def total(self, quant: QuantWeight) -> float:
+        """``Σ_t w_t ‖ŷ_t − y_t‖²`` with the raw token weights: sums across experts compare."""
+        diff = (self.output(quant.dequantize()) - self.y).double().pow(2).sum(-1)
+        return float((diff * self.raw.double()).sum())
 
 
 def _weight_magnitude(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -332,6 +358,131 @@ def quantize_expert(
     return expert
 
 
+@dataclass
+class QuantLayer:
+    """The routed experts of one MoE layer, quantized.
+
+    Attributes:
+        experts: one ``QuantExpert`` per expert, weights as computed on the layer's *original*
+            input (in the folded layout gate and up carry the layer's ``input_scale`` as their
+            ``awq_scale``, and up's rows already hold the down scale).
+        input_scale: the folded layout's per-layer gate/up scale ``s`` (None: nothing to fold —
+            per-expert layout, RTN, int8, or AWQ chose no scale); the draft file divides the
+            post-attention norm by it and multiplies the other readers of that norm by it.
+        alpha, duo: the layer scale's α and form (folded layout only).
+    """
+
+    experts: list[QuantExpert]
+    input_scale: torch.Tensor | None = None
+    alpha: float | None = None
+    duo: bool = False
+
+
+def quantize_layer(
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None],
+    spec: QuantSpec,
+    act: Activation = F.silu,
+) -> QuantLayer:
+    """Quantize every routed expert of one layer.
+
+    Args:
+        weights: per expert ``(gate_up (2I, H), down (H, I))``.
+        inputs: per expert ``(x, h, router_weight)`` calibration inputs, or None.
+        spec: method, layout, group size, search settings.
+        act: the experts' activation.
+
+    In the ``folded`` AWQ layout (AutoAWQ's for MoE layers) one input scale is searched for all
+    experts' gate and up — the loss is the sum over experts of the router-weighted expert-output
+    error, so the scale serves the layer's traffic — then each expert's clipping and down
+    projection are searched as in the per-expert layout, and down's scale is folded into up's
+    rows: ``down(act(g x) · (u x)) = (Q(D s) / s)(h) = Q(D s)(act(g x) · (u x) / s)``.
+    """
+    if len(weights) != len(inputs):
+        raise ValueError(f"inputs has {len(inputs)} entries for {len(weights)} experts")
+    if spec.method != "awq" or spec.layout == "per-expert":
+        experts = [
+            quantize_expert(gu, dn, rec[0], rec[1], spec, rec[2], act) if rec is not None
+            else quantize_expert(gu, dn, None, None, spec, None, act)
+            for (gu, dn), rec in zip(weights, inputs, strict=True)
+        ]
+        return QuantLayer(experts)
+    hidden, inter = weights[0][0].shape[1], weights[0][1].shape[1]
+    gu_group = spec.group_for(hidden)
+    calibrated = {e: rec for e, rec in enumerate(inputs) if rec is not None and rec[0].shape[0]}
+    if not calibrated:
+        return QuantLayer([_round_to_nearest(gu, dn, spec, fallback=True) for gu, dn in weights])
+    squared = {e: rec[2].float().pow(2) if rec[2] is not None else None for e, rec in calibrated.items()}
+    token_weight = {e: w if spec.router_weighted else None for e, w in squared.items()}
+    losses = {
+        e: ExpertLoss(weights[e][0], weights[e][1], rec[0], token_weight[e], act) for e, rec in calibrated.items()
+    }
+    scale, alpha, duo = _layer_scale(weights, calibrated, losses, spec, gu_group)
+    experts = []
+    for e, (gate_up, down) in enumerate(weights):
+        if e not in calibrated:
+            quant = quantize_weight(gate_up, spec.num_bits, gu_group, spec.scale_dtype, scale)
+            gate, up = split_rows(quant, inter)
+            expert = QuantExpert(gate, up, quantize_weight(down, spec.num_bits, spec.group_for(inter),
+                                                           spec.scale_dtype), fallback=True)
+            experts.append(expert)
+            continue
+        x, h, _ = calibrated[e]
+        quant = quantize_weight(gate_up, spec.num_bits, gu_group, spec.scale_dtype, scale)
+        chosen = Searched(quant, losses[e](quant), alpha, duo)
+        gu = apply_clip(gate_up, x, token_weight[e], chosen, spec, losses[e])
+        dn = search_weight(down, h, token_weight[e], spec, spec.group_for(inter))
+        gate, up = split_rows(gu.quant, inter)
+        up, down_q = fold_down_scale(up, dn.quant)
+        expert = QuantExpert(
+            gate, up, down_q, alpha, dn.alpha, duo_gate_up=duo, duo_down=dn.duo, clip_gate_up=gu.clip,
+            clip_down=dn.clip, down_scale=dn.quant.awq_scale,
+        )
+        _score(expert, gate_up, down, x, h, losses[e], squared[e])
+        experts.append(expert)
+    return QuantLayer(experts, scale, alpha, duo)
+
+
+def _layer_scale(
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    calibrated: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    losses: dict[int, ExpertLoss],
+    spec: QuantSpec,
+    group_size: int,
+) -> tuple[torch.Tensor | None, float, bool]:
+    """The one gate/up input scale of a layer: the candidate (RTN first, kept on ties) with the
+    lowest sum over calibrated experts of their raw router-weighted output error. The statistics
+    are the layer's: ``mean |x|`` over every recorded (token, expert) input, the weight magnitude
+    over every expert's gate and up rows."""
+    every_input = torch.cat([rec[0].float() for rec in calibrated.values()])
+    every_weight = torch.cat([gate_up.float() for gate_up, _ in weights])
+    best: tuple[float, torch.Tensor | None, float, bool] | None = None
+    for alpha, duo, s in scale_candidates(every_weight, every_input, spec, group_size):
+        total = sum(
+            losses[e].total(quantize_weight(weights[e][0], spec.num_bits, group_size, spec.scale_dtype, s))
+            for e in calibrated
+        )
+        if best is None or total < best[0]:
+            best = (total, s, alpha, duo)
+    assert best is not None  # RTN is always a candidate
+    return best[1], best[2], best[3]
+
+
+def fold_down_scale(up: QuantWeight, down: QuantWeight) -> tuple[QuantWeight, QuantWeight]:
+    """Move down's AWQ input scale ``s`` into up's rows: up's row ``j`` step sizes divided by
+    ``s_j`` (codes and zero points unchanged), down left as ``Q(D s)`` with no scale of its own.
+    Exact up to rounding the new step sizes to their storage dtype."""
+    if down.awq_scale is None:
+        return up, down
+    s = down.awq_scale.float()
+    if s.shape != (up.shape[0],):
+        raise ValueError(f"down's scale has shape {tuple(s.shape)}, up has {up.shape[0]} rows")
+    scale = (up.scale.float() / s.unsqueeze(-1)).to(up.scale.dtype)
+    scale = scale.clamp(min=torch.finfo(up.scale.dtype).tiny)
+    folded_up = QuantWeight(up.codes, scale, up.zero, up.num_bits, up.group_size, up.awq_scale)
+    return folded_up, QuantWeight(down.codes, down.scale, down.zero, down.num_bits, down.group_size, None)
+
+
 def _score(
     expert: QuantExpert,
     gate_up: torch.Tensor,
@@ -343,12 +494,12 @@ def _score(
 ) -> None:
     """Fill the report fields: per-projection MSE and the expert's output error, each token
     weighted by its squared router weight (its share of the layer's output), whatever the spec."""
-    gate_up_q = torch.cat([expert.gate.dequantize(), expert.up.dequantize()])
+    gate_up_q, down_q = expert.effective()
     expert.tokens = int(x.shape[0])
     expert.mse_gate_up = output_error(gate_up, gate_up_q, x)
-    expert.mse_down = output_error(down, expert.down.dequantize(), h)
+    expert.mse_down = output_error(down, down_q, h)
     gate, up = F.linear(loss.x, gate_up_q).chunk(2, dim=-1)
-    approx = F.linear(loss.act(gate) * up, expert.down.dequantize())
+    approx = F.linear(loss.act(gate) * up, down_q)
     w = torch.ones(x.shape[0], dtype=torch.float64) if squared_weight is None else squared_weight.double()
     expert.out_err = float(((approx - loss.y).double().pow(2).sum(-1) * w).sum())
     expert.out_ref = float((loss.y.double().pow(2).sum(-1) * w).sum())
@@ -373,7 +524,8 @@ def quantize_experts(
     grid: int = 20,
     scale_dtype: torch.dtype | None = None,
 ) -> list[QuantExpert]:
-    """Quantize the experts of one layer.
+    """Quantize the experts of one layer, each on its own (the per-expert layout; ``quantize_layer``
+    places the folded layout's one scale per layer).
 
     Args:
         gate_up: fused ``(E, 2I, H)`` tensor, or one expert's ``(2I, H)``.
@@ -391,7 +543,7 @@ def quantize_experts(
         raise ValueError(
             f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not (E, 2I, H) / (E, H, I)"
         )
-    spec = QuantSpec(method, group_size, grid, scale_dtype or gate_up.dtype)
+    spec = QuantSpec(method, group_size, grid, scale_dtype or gate_up.dtype, layout="per-expert")
     experts = gate_up.shape[0]
     if inputs is not None and len(inputs) != experts:
         raise ValueError(f"inputs has {len(inputs)} entries for {experts} experts")

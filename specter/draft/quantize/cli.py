@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specter.draft.quantize.awq import METHODS
+from specter.draft.quantize.awq import LAYOUTS, METHODS
 from specter.models.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ def add_quantize_command(subparsers: argparse._SubParsersAction) -> argparse.Arg
     )
     cmd.add_argument("--group-size", type=positive_int, default=128, help="int4 group size (default 128)")
     cmd.add_argument(
+        "--awq-layout",
+        choices=LAYOUTS,
+        default="folded",
+        help="folded: one gate/up scale per layer folded into the norm, down's folded into up — plain W4A16 "
+        "that stock readers compute right (default); per-expert: a scale per expert and projection, a "
+        "format only Specter reads (docs/draft.md)",
+    )
+    cmd.add_argument(
         "--calib-file",
         type=_existing_file,
         default=None,
@@ -102,6 +110,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             calib_tokens=args.calib_tokens,
             group_size=args.group_size,
             progress=True,
+            layout=args.awq_layout,
             generation=GenerationSpec(windows=args.calib_generate, new_tokens=args.calib_generate_tokens),
         )
     except (CheckpointError, ValueError) as exc:  # UnsupportedArchitectureError is a ValueError

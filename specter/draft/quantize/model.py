@@ -20,6 +20,7 @@ import logging
 import re
 import shutil
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specter.draft.format.pack import AWQ_SCALE, quantization_config, weight_tensors
-from specter.draft.quantize.awq import QuantExpert, QuantSpec, quantize_expert
+from specter.draft.format.pack import (
+    AWQ_SCALE,
+    PACK_QUANTIZED,
+    SPECTER_AWQ,
+    quantization_config,
+    weight_tensors,
+)
+from specter.draft.quantize.awq import QuantExpert, QuantLayer, QuantSpec, quantize_layer
 from specter.draft.quantize.calibrate import (
     NO_GENERATION,
     CalibrationRecorder,
@@ -45,7 +52,9 @@ REPORT = "draft_report.json"
 # Bumped whenever the same flags would quantize differently (2: AWQ clipping, duo scales,
 # expert-output loss weighted by the router; 3: the report records self-generated calibration,
 # off by default, and with it off the weights equal version 2's); tools that cache drafts compare it.
-QUANTIZER_VERSION = 3
+# 4: AWQ's gate/up scale is one per layer, folded into the norm, and down's is folded into up
+# (layout "folded", the default; "per-expert" is version 3's weights under the format "specter-awq").
+QUANTIZER_VERSION = 4
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", REPORT}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -67,6 +76,7 @@ def quantize_model(
     clip_grid: int = 11,
     router_weighted: bool = True,
     generation: GenerationSpec | None = None,
+    layout: str = "folded",
 ) -> dict[str, Any]:
     """Quantize a target's routed experts and write the draft folder.
 
@@ -85,19 +95,21 @@ def quantize_model(
         duo, clip_grid, router_weighted: AWQ's search settings (``QuantSpec``).
         generation: self-generated calibration (the target's greedy continuations of windows of
             the calibration ids); default off (``NO_GENERATION``), ``GenerationSpec()`` for 32 windows.
+        layout: where AWQ's scales live: ``folded`` (plain W4A16) or ``per-expert`` (``specter-awq``).
 
     Returns:
         The report also written to ``out_dir/draft_report.json``.
     """
     # Validate the flags before any loading.
-    QuantSpec(method, group_size, grid, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted)
+    QuantSpec(method, group_size, grid, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted, layout=layout)
     generation = generation if generation is not None else NO_GENERATION
     loaded = build_dense(model_dir)
     out = Path(out_dir).expanduser()
     if out.resolve() == loaded.checkpoint.dir.resolve():
         raise ValueError(f"out_dir {str(out)!r} is the model folder itself; choose another folder")
     spec = QuantSpec(
-        method, group_size, grid, loaded.shape.dtype, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted
+        method, group_size, grid, loaded.shape.dtype, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted,
+        layout=layout,
     )
     ids = calib_ids if calib_ids is not None else _calibration(loaded, method, calib_text, calib_tokens)
     if ids is not None:
@@ -129,18 +141,53 @@ def quantize_model(
 def _quantize_layers(
     loaded: LoadedModel, store: ExpertStore, recorder: CalibrationRecorder | None, spec: QuantSpec, progress: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every MoE layer's experts quantized: the draft's tensors (dense parts included) and a
-    summary per layer (logged as each finishes when ``progress``)."""
+    """Every MoE layer's experts quantized: the draft's tensors (dense parts included, with the
+    folded layout's input scales folded in) and a summary per layer (logged as each finishes
+    when ``progress``)."""
     tensors = _dense_tensors(loaded)
     layers: dict[str, Any] = {}
     for layer in loaded.moe_layers:
-        experts = _quantize_layer(loaded, store, recorder, layer, spec)
-        for expert, quant in enumerate(experts):
-            tensors.update(_expert_tensors(loaded, layer, expert, quant))
-        layers[str(layer)] = _layer_summary(experts, store, layer)
+        quant = _quantize_layer(loaded, store, recorder, layer, spec)
+        for expert, q in enumerate(quant.experts):
+            if quant.input_scale is not None:  # the scale lives in the dense tensors now
+                q = replace(q, gate=replace(q.gate, awq_scale=None), up=replace(q.up, awq_scale=None))
+            tensors.update(_expert_tensors(loaded, layer, expert, q))
+        if quant.input_scale is not None:
+            tensors.update(fold_input_scale(tensors, loaded, layer, quant.input_scale))
+        layers[str(layer)] = _layer_summary(quant, store, layer)
         if progress:
             log.info("%s", _progress_line(layer, layers[str(layer)]))
     return tensors, layers
+
+
+def fold_input_scale(
+    tensors: dict[str, torch.Tensor], loaded: LoadedModel, layer: int, scale: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The dense tensors of one MoE layer with its gate/up input scale ``s`` folded in: the
+    post-attention norm (weight, and bias where it has one) divided by ``s``, every other reader
+    of that norm's output — the router, the shared expert's gate and up, its gate — multiplied by
+    ``s`` along its input. The router's logits and the shared expert's output are unchanged (up to
+    rounding to the disk dtype); the routed experts see ``x / s``, which ``Q(W s)`` expects."""
+    norm = f"model.layers.{layer}.post_attention_layernorm"
+    if f"{norm}.weight" not in tensors:
+        raise ValueError(
+            f"layout 'folded': {norm}.weight is not in the checkpoint, so layer {layer}'s AWQ scale has nowhere "
+            "to go; quantize with layout 'per-expert'"
+        )
+    s = scale.float()
+    out = {
+        key: (tensors[key].float() / s).to(tensors[key].dtype)
+        for key in (f"{norm}.weight", f"{norm}.bias")
+        if key in tensors
+    }
+    prefix = f"model.layers.{layer}.{loaded.family.disk_moe}."
+    down = loaded.family.proj_names[2]
+    for key, t in tensors.items():
+        if (key.startswith(prefix) and key.endswith(".weight") and t.dim() == 2
+                and t.shape[1] == s.numel() and not loaded.family.is_expert_key(key)
+                and f".{down}." not in key and ".down_proj." not in key):
+            out[key] = (t.float() * s).to(t.dtype)
+    return out
 
 
 def _calibration(
@@ -169,16 +216,13 @@ def _generated_summary(generation: GenerationSpec, recorder: CalibrationRecorder
 
 def _quantize_layer(
     loaded: LoadedModel, store: ExpertStore, recorder: CalibrationRecorder | None, layer: int, spec: QuantSpec
-) -> list[QuantExpert]:
+) -> QuantLayer:
     inputs = recorder.inputs(layer) if recorder is not None else [None] * loaded.num_experts
     module = loaded.experts_modules.get(layer)
     act = getattr(module, "act_fn", None) or F.silu
-    out = []
-    for expert, rec in enumerate(inputs):
-        gate_up, down = store.shape.split(store.blob(layer, expert))
-        x, h, w = (rec.x, rec.h, rec.w) if rec is not None else (None, None, None)
-        out.append(quantize_expert(gate_up, down, x, h, spec, w, act))
-    return out
+    weights = [store.shape.split(store.blob(layer, expert)) for expert in range(len(inputs))]
+    records = [(rec.x, rec.h, rec.w) if rec is not None else None for rec in inputs]
+    return quantize_layer(weights, records, spec, act)
 
 
 def _expert_tensors(
@@ -198,9 +242,10 @@ def _dense_tensors(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     return {k: checkpoint.read(k) for k in sorted(checkpoint.entries) if not family.is_expert_key(k)}
 
 
-def _layer_summary(experts: list[QuantExpert], store: ExpertStore, layer: int) -> dict[str, Any]:
+def _layer_summary(quant: QuantLayer, store: ExpertStore, layer: int) -> dict[str, Any]:
     """α and clipping statistics, fallbacks, token-weighted output MSE, the experts' relative
-    output error and the weight error of one layer."""
+    output error and the weight error of one layer (and, folded, the layer's input scale)."""
+    experts = quant.experts
     alphas_gu = [q.alpha_gate_up for q in experts if q.alpha_gate_up is not None]
     alphas_down = [q.alpha_down for q in experts if q.alpha_down is not None]
     tokens = sum(q.tokens for q in experts)
@@ -216,6 +261,9 @@ def _layer_summary(experts: list[QuantExpert], store: ExpertStore, layer: int) -
         "rtn_fallback": sum(q.fallback for q in experts),
         "calibration_tokens": tokens,
         "weight_rel_err": _weight_error(experts, store, layer),
+        "input_scale": (
+            {"alpha": quant.alpha, "duo": quant.duo} if quant.input_scale is not None else None
+        ),
     }
     for name in ("mse_gate_up", "mse_down"):
         pairs = [(getattr(q, name), q.tokens) for q in experts if getattr(q, name) is not None]
@@ -228,8 +276,8 @@ def _weight_error(experts: list[QuantExpert], store: ExpertStore, layer: int) ->
     err = ref = 0.0
     for expert, quant in enumerate(experts):
         gate_up, down = store.shape.split(store.blob(layer, expert))
-        approx_gu = torch.cat([quant.gate.dequantize(), quant.up.dequantize()])
-        for weight, approx in ((gate_up.float(), approx_gu), (down.float(), quant.down.dequantize())):
+        approx_gu, approx_down = quant.effective()
+        for weight, approx in ((gate_up.float(), approx_gu), (down.float(), approx_down)):
             err += float((weight - approx).pow(2).sum())
             ref += float(weight.pow(2).sum())
     return (err / ref) ** 0.5 if ref else 0.0
@@ -283,7 +331,7 @@ def _report(
         "awq_grid": spec.grid if spec.method == "awq" else None,
         "awq_search": (
             {"duo": spec.duo, "clip_grid": spec.clip_grid, "clip_min": spec.clip_min,
-             "router_weighted": spec.router_weighted}
+             "router_weighted": spec.router_weighted, "layout": spec.layout}
             if spec.method == "awq" else None
         ),
         "calibration": {"tokens": tokens, "cap_per_expert": cap},
@@ -312,8 +360,12 @@ def _config(loaded: LoadedModel, spec: QuantSpec, report: dict[str, Any]) -> dic
         for k, e in loaded.checkpoint.entries.items()
         if k.endswith(".weight") and len(e.shape) == 2 and not family.is_expert_key(k)
     ]
-    config["quantization_config"] = quantization_config(schemes, ignore)
-    config["specter_draft"] = {"method": spec.method, "awq_scale_suffix": AWQ_SCALE, "format_version": 1}
+    # Per-expert AWQ scales are a tensor stock readers do not know: such a draft gets a format name
+    # they refuse (compressed-tensors: unknown format) instead of one they would misread.
+    scaled = report["awq_scaled_projections"] > 0
+    config["quantization_config"] = quantization_config(schemes, ignore, SPECTER_AWQ if scaled else PACK_QUANTIZED)
+    config["specter_draft"] = {"method": spec.method, "layout": spec.layout if spec.method == "awq" else None,
+                               "awq_scale_suffix": AWQ_SCALE if scaled else None, "format_version": 2}
     return config
 
 

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text on an offloaded target")
     gen.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     gen.add_argument("--draft", default=None,
-                     help="draft folder: an AWQ draft from `specter quantize` or any full-precision checkpoint")
+                     help="draft folder: an AWQ draft from `specter quantize`, a published AutoAWQ / GPTQ / "
+                     "compressed-tensors int4 checkpoint of the model, or any full-precision checkpoint")
     gen.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     gen.add_argument("--window", type=int, default=None,
                      help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies); "
@@ -185,7 +186,8 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("input", metavar="INPUT", help="prompts JSONL")
     batch.add_argument("--out", required=True, help="results JSONL (appended; finished ids are skipped)")
     batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
-    batch.add_argument("--draft", default=None, help="draft folder (AWQ draft or full-precision checkpoint)")
+    batch.add_argument("--draft", default=None, help="draft folder (from specter quantize, a published AutoAWQ / "
+                       "GPTQ / compressed-tensors int4 checkpoint, or full precision)")
     batch.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     _add_pipeline(batch)
     batch.add_argument("--window", type=int, default=None,

@@ -121,10 +121,11 @@ class DraftModel:
     def load(
         cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto"
     ) -> DraftModel:
-        """Load a draft folder written by ``specter quantize``.
+        """Load a quantized draft: a folder written by ``specter quantize``, or a published int4
+        checkpoint of the target (AutoAWQ GEMM, GPTQ, compressed-tensors; ``format.published``).
 
         Args:
-            draft_dir: the draft folder (config.json with ``quantization_config``, model.safetensors).
+            draft_dir: the draft folder (config.json with ``quantization_config``, safetensors).
             device: ``cpu``/``cuda``; default cuda when available.
             mode: ``auto`` | ``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly``.
         """

@@ -283,3 +283,15 @@ def test_act_order_weights_compute_alike_in_every_mode() -> None:
         got_gu = kernels.gate_up((0, 0), x)
         got = kernels.down((0, 0), got_gu[:, :inter] * got_gu[:, inter:])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["autoawq", "gptq-sym"])
+def test_a_truncated_published_tensor_is_named_before_any_work(kind, tmp_path) -> None:
+    target = tiny_target("mixtral", tmp_path / "target")
+    folder, _ = BUILDERS[kind](target, tmp_path / "draft")
+    tensors = load_file(str(folder / "model.safetensors"))
+    key = "model.layers.1.block_sparse_moe.experts.2.w3.qweight"
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.2\.w3: qweight .* do not fit .*truncated"):
+        DraftModel.load(folder, device="cpu", mode="dequant-cache")

@@ -21,7 +21,7 @@ from compressed_tensors.utils.match import match_name
 from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tiny_models import save_tiny
+from tiny_models import CONFIGS, save_tiny
 from transformers import AutoModelForCausalLM
 
 from specter.assets import ASSETS
@@ -69,11 +69,33 @@ def stock_model(draft: Path, out: Path, dtype: torch.dtype | None = None) -> tor
     return AutoModelForCausalLM.from_pretrained(str(out), experts_implementation="eager", dtype=dtype).eval()
 
 
+def outlier_target(family: str, folder: Path) -> Path:
+    """A default-init tiny model whose post-attention norms boost four channels ×8: activation
+    outliers, what AWQ's scales are for (on plain random weights RTN wins everywhere)."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS[family]).save_pretrained(folder)  # transformers' own init
+    path = next(folder.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    for key in tensors:
+        if key.endswith("post_attention_layernorm.weight"):
+            tensors[key] = tensors[key].clone()
+            tensors[key][:4] *= 8
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return folder
+
+
 @pytest.fixture(scope="module")
 def trained_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """The shipped AWQ drafts and RTN / int8 drafts of both trained models."""
-    drafts = {(model, "awq"): ASSETS / f"{model}-awq" for model in TRAINED}
+    drafts = {}
     for model in TRAINED:
+        shipped = ASSETS / f"{model}-awq"
+        if json.loads((shipped / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized":
+            drafts[(model, "awq")] = shipped
+        else:  # the shipped draft has per-expert scales: a folded one, with a shorter search
+            drafts[(model, "awq")] = tmp_path_factory.mktemp(f"{model}-awq-folded")
+            quantize_model(ASSETS / model, drafts[(model, "awq")], method="awq", calib_tokens=1024, grid=6,
+                           layout="folded", progress=False)
         for method in ("rtn", "int8"):
             out = tmp_path_factory.mktemp(f"{model}-{method}")
             quantize_model(ASSETS / model, out, method=method, progress=False)
@@ -106,8 +128,36 @@ def test_compressed_tensors_decompresses_the_weights_specter_computes_with(train
     assert len(kinds) == 3 and set(kinds.values()) == {layers * experts}, kinds  # gate, up, down of every expert
 
 
+def test_a_per_expert_drafts_codes_are_standard_and_only_its_scale_is_extra(calib_ids, tmp_path) -> None:
+    """compressed-tensors, told that a per-expert draft is ``pack-quantized``, decompresses every
+    projection to ``Q(W s)``; Specter divides by ``s`` (``weight_awq_scale``), which it alone reads."""
+    draft = tmp_path / "draft"
+    quantize_model(outlier_target("mixtral", tmp_path / "target"), draft, method="awq", calib_ids=calib_ids,
+                   cap=128, grid=10, progress=False, layout="per-expert")
+    config = json.loads((draft / "config.json").read_text())
+    qconfig = config["quantization_config"]
+    assert qconfig["format"] == "specter-awq"
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "model.safetensors").symlink_to(draft / "model.safetensors")
+    qconfig["format"] = "pack-quantized"
+    for group in qconfig["config_groups"].values():
+        group["format"] = "pack-quantized"
+    (renamed / "config.json").write_text(json.dumps(config))
+    tensors, groups = stock_decompress(renamed)
+    scaled = 0
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        for module in groups:
+            ours = read_weight(module, f.get_tensor, keys.__contains__, bits_for(module, qconfig))
+            theirs = tensors[f"{module}.weight"]
+            assert torch.equal(theirs, ours.dequantize_scaled().to(theirs.dtype)), module
+            scaled += ours.awq_scale is not None
+    assert scaled > 0
+
+
 @pytest.mark.parametrize("model", TRAINED)
-def test_a_stock_reader_computes_the_shipped_draft_as_specter_does(trained_drafts, model, tmp_path) -> None:
+def test_a_stock_reader_computes_the_folded_draft_as_specter_does(trained_drafts, model, tmp_path) -> None:
     draft = trained_drafts[(model, "awq")]
     specter_draft = DraftModel.load(draft, device="cpu", mode="dequant-cache")
     stock = stock_model(draft, tmp_path / "stock", dtype=specter_draft.model.dtype)
@@ -176,11 +226,10 @@ def test_folding_down_scale_into_up_rows_keeps_the_expert_output() -> None:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_the_folded_awq_draft_is_plain_w4a16_that_a_stock_reader_computes_right(family, plain_dir, calib_ids,
-                                                                                 tmp_path) -> None:
+def test_the_folded_awq_draft_is_plain_w4a16_that_a_stock_reader_computes_right(family, calib_ids, tmp_path) -> None:
     draft = tmp_path / "draft"
-    report = quantize_model(plain_dir(family), draft, method="awq", calib_ids=calib_ids, cap=128, grid=10,
-                            progress=False)
+    report = quantize_model(outlier_target(family, tmp_path / "target"), draft, method="awq", calib_ids=calib_ids,
+                            cap=128, grid=10, progress=False)
     assert report["awq_scaled_projections"] == 0
     assert any(layer["input_scale"] for layer in report["layers"].values())  # a scale was chosen and folded
     specter_draft = DraftModel.load(draft, device="cpu", mode="dequant-cache")
@@ -192,11 +241,10 @@ def test_the_folded_awq_draft_is_plain_w4a16_that_a_stock_reader_computes_right(
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-def test_the_per_expert_layout_is_refused_by_stock_readers_and_read_by_specter(plain_dir, calib_ids,
-                                                                               tmp_path) -> None:
+def test_the_per_expert_layout_is_refused_by_stock_readers_and_read_by_specter(calib_ids, tmp_path) -> None:
     draft = tmp_path / "draft"
-    report = quantize_model(plain_dir("mixtral"), draft, method="awq", calib_ids=calib_ids, cap=128, grid=10,
-                            progress=False, layout="per-expert")
+    report = quantize_model(outlier_target("mixtral", tmp_path / "target"), draft, method="awq",
+                            calib_ids=calib_ids, cap=128, grid=10, progress=False, layout="per-expert")
     assert report["awq_scaled_projections"] > 0
     qconfig = json.loads((draft / "config.json").read_text())["quantization_config"]
     assert qconfig["format"] == "specter-awq"

@@ -96,7 +96,7 @@ class AwqGemmScheme:
         zeros = _awq_columns(unpack_words(_int32(qzeros, f"{module}.qzeros"), self.bits))  # (g, out)
         inp, out = codes.shape
         groups = inp // self.group if self.group > 0 else 1
-        if scales.shape != (groups, out) or zeros.shape != (groups, out) or inp % groups:
+        if scales.shape != (groups, out) or zeros.shape != (groups, out) or inp % groups or inp % max(self.group, 1):
             raise ValueError(
                 f"{module}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                 f"{tuple(scales.shape)} do not fit one {out}×{inp} weight in groups of {self.group} "
@@ -131,7 +131,8 @@ class GptqScheme:
         zeros = unpack_words(_int32(qzeros, f"{module}.qzeros"), self.bits) + self.zero_offset  # (g, out)
         out, inp = codes.shape
         groups = scales.shape[0] if scales.dim() == 2 else 0
-        if groups < 1 or scales.shape[1] != out or zeros.shape != (groups, out) or inp % groups:
+        if (groups < 1 or scales.shape[1] != out or zeros.shape != (groups, out) or inp % groups
+                or (self.group > 0 and inp != groups * self.group)):
             raise ValueError(
                 f"{module}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                 f"{tuple(scales.shape)} do not fit one {out}×{inp} weight (truncated, or another model's)"

@@ -321,14 +321,14 @@ def error_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def delta_table(verdict: dict[str, Any]) -> str:
-    """AWQ − RTN per measure with its paired-bootstrap 95 % interval over prompts."""
+def delta_table(verdict: dict[str, Any], names: tuple[str, str] = ("AWQ", "RTN")) -> str:
+    """AWQ − RTN (or ``names``' difference) per measure with its paired-bootstrap 95 % interval over prompts."""
     from specter.eval.fidelity import header
 
     if not verdict.get("delta_awq_minus_rtn"):
         return "(no AWQ − RTN differences: needs both methods)"
     interval = verdict.get("interval_awq_minus_rtn", {})
-    lines = ["| measure | AWQ − RTN | 95 % interval |", "| --- | ---: | ---: |"]
+    lines = [f"| measure | {names[0]} − {names[1]} | 95 % interval |", "| --- | ---: | ---: |"]
     for name, delta in verdict.get("delta_awq_minus_rtn", {}).items():
         spec = "+.3f" if name.startswith("accepted") else "+.4f"
         lo, hi = interval.get(name, (math.nan, math.nan))
@@ -388,7 +388,7 @@ def model_section(result: dict[str, Any]) -> str:
             for key, where in (("layout_verdict", "Continuations, "), ("prompt_layout_verdict", "Real text, "))
             if result.get(key)
             for part in ("", where + verdict_line(result[key], _layout_rows(result, key), LAYOUT_NAMES), "",
-                         delta_table(result[key]))
+                         delta_table(result[key], LAYOUT_NAMES))
         ],
     ])
 
@@ -412,7 +412,7 @@ Both models run **teacher-forced** over the same sequence: the prompt plus the t
 greedy continuation, so every position has an identical context in both. One forward each;
 routing is captured on every router (`RoutingRecorder` for the target, `DraftModel.last_routing`
 for the draft). The target is computed in fp32, as Specter's target computes on a CPU (the
-checkpoints are stored in bf16); the drafts compute in fp32 too.
+checkpoints are stored in bf16); the drafts compute in their checkpoint's dtype (bf16 here).
 
 | column | meaning |
 | --- | --- |
@@ -426,9 +426,12 @@ process), next-token agreement at the positions that predict them. `int8` is per
 asymmetric; `rtn` and `awq` are int4, group {group_size} (or the largest divisor the report names);
 drafts compute in `{draft_mode}` mode (`DraftModel.load`).
 AWQ calibrates on the first {calib_tokens} tokens of `specter/assets/prompts/calibration.txt` (excerpts
-of the training split; the held-out prompts come from held-out files only){self_generated}: per expert
-it searches input-channel scales (plain and weight-magnitude "duo" form) and then per-group clipping ratios, both against
-the expert's router-weighted output error on the tokens routed to it (`docs/draft.md`).
+of the training split; the held-out prompts come from held-out files only){self_generated}: it searches
+input-channel scales (plain and weight-magnitude "duo" form) and then per-group clipping ratios, both against
+the experts' router-weighted output error on the tokens routed to them (`docs/draft.md`). `awq` is the
+default folded layout (one power-of-two gate/up scale per layer, folded into the norm and its readers;
+down's folded into up: plain W4A16); `awq-expert` the per-expert layout (a scale per expert and
+projection, format `specter-awq`), compared with it under "AWQ per-expert vs AWQ folded".
 
 The verdict compares the exact (unrounded) numbers, every column: AWQ must be no worse than RTN
 on any and better on at least one. A paired bootstrap over prompts ({bootstrap} resamples) gives a
@@ -499,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, where in (("layout_verdict", ""), ("prompt_layout_verdict", "real text, ")):
                 if result.get(key):
                     print(where + verdict_line(result[key], _layout_rows(result, key), LAYOUT_NAMES))
-                    print(delta_table(result[key]), flush=True)
+                    print(delta_table(result[key], LAYOUT_NAMES), flush=True)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,12 +40,14 @@ with warnings.catch_warnings():  # AutoAWQ announces its deprecation on import
 GROUP = 16
 PROMPT = [5, 17, 3, 99, 42, 7, 64, 23]
 NEW = 24
-FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v2")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe")
 
 
 # AutoAWQ's packer wants output dims that are multiples of 32: the tiny models, widened.
-WIDER = {"mixtral": {"intermediate_size": 64}, "qwen2_moe": {"moe_intermediate_size": 32},
-         "deepseek_v2": {"moe_intermediate_size": 32}}
+WIDER = {"mixtral": {"intermediate_size": 64}, "phimoe": {"intermediate_size": 64},
+         "qwen2_moe": {"moe_intermediate_size": 32}, "qwen3_moe": {"moe_intermediate_size": 32},
+         "olmoe": {"intermediate_size": 32}, "deepseek_v2": {"moe_intermediate_size": 32},
+         "deepseek_v3": {"moe_intermediate_size": 32}}
 
 
 def tiny_target(family: str, folder: Path) -> Path:

@@ -460,8 +460,8 @@ def _layer_scale(
     for alpha, duo, s in scale_candidates(every_weight, every_input, spec, group_size):
         if s is not None:
             # Powers of two: dividing the norm and multiplying the router (and the shared expert) by
-            # them is exact in any binary float, so the draft's router computes the target's logits
-            # bit for bit; rounded to bf16, arbitrary scales alone flipped ~1-2 % of the top-k sets.
+            # them involves no rounding in any binary float, so the fold by itself changes no router
+            # logit; arbitrary scales rounded to bf16 alone flipped ~1-2 % of the top-k sets.
             s = torch.exp2(torch.round(torch.log2(s)))
         total = sum(
             losses[e].total(quantize_weight(weights[e][0], spec.num_bits, group_size, spec.scale_dtype, s))

@@ -48,15 +48,8 @@ def can_fuse(top: QuantWeight, bottom: QuantWeight) -> bool:
 
 def fuse_rows(top: QuantWeight, bottom: QuantWeight) -> QuantWeight:
     """Stack gate and up into one ``(2I, H)`` quantized weight (they share group size and AWQ scale)."""
-    if top.group_size != bottom.group_size or top.num_bits != bottom.num_bits:
-        raise ValueError("gate and up must share num_bits and group_size")
     if not can_fuse(top, bottom):
-        raise ValueError("gate and up must share one input order (act-order)")
-    awq_top, awq_bottom = top.awq_scale, bottom.awq_scale
-    if (awq_top is None) != (awq_bottom is None) or (
-        awq_top is not None and awq_bottom is not None and not torch.equal(awq_top, awq_bottom)
-    ):
-        raise ValueError("gate and up must share one AWQ input scale (they see the same input)")
+        raise ValueError("gate and up must share num_bits, group_size, AWQ input scale and act-order to be stacked")
     return QuantWeight(
         torch.cat([top.codes, bottom.codes]),
         torch.cat([top.scale, bottom.scale]),

@@ -141,15 +141,15 @@ class DraftModel:
                 f"{draft_dir} cannot be read as a draft: {exc} (or use any full-precision checkpoint)"
             ) from None
         checkpoint = Checkpoint(draft_dir)
-        keys = set(checkpoint.entries)
         family = family_for(config.get("model_type"))
-        modules = quantized_modules(scheme, keys)
+        modules = quantized_modules(scheme, checkpoint.entries)
         dense = [m for m in modules if not family.is_expert_key(f"{m}.weight")]
         replace = {
-            f"{m}.weight": scheme.read(m, checkpoint.read, keys.__contains__).dequantize() for m in dense
+            f"{m}.weight": scheme.read(m, checkpoint.read, checkpoint.entries.__contains__).dequantize()
+            for m in dense
         }
         skip = frozenset(f"{m}.{part}" for m in modules for part in scheme.parts)
-        loaded = build_dense(draft_dir, replace=replace, skip=skip)
+        loaded = build_dense(draft_dir, replace=replace, skip=skip, checkpoint=checkpoint)
         experts, packed_bytes = read_experts(loaded, scheme)
         timings: dict[str, float] = {}
         if mode == "auto":
@@ -222,7 +222,7 @@ def read_experts(
 ) -> tuple[dict[tuple[int, int], ExpertWeights], int]:
     """Every quantized expert of the draft as quantized weights, and their packed byte count."""
     checkpoint: Checkpoint = loaded.checkpoint
-    keys = set(checkpoint.entries)
+    keys = checkpoint.entries
     experts: dict[tuple[int, int], ExpertWeights] = {}
     nbytes = 0
     for layer in loaded.moe_layers:

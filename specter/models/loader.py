@@ -57,11 +57,14 @@ class LoadedModel:
     dense_bytes: int
 
 
-def load_config(model_dir: str | Path) -> tuple[Checkpoint, PretrainedConfig, Family]:
-    """Open the checkpoint and its config, rejecting unsupported architectures up front."""
+def load_config(
+    model_dir: str | Path, checkpoint: Checkpoint | None = None
+) -> tuple[Checkpoint, PretrainedConfig, Family]:
+    """Open the checkpoint (unless given, already open) and its config, rejecting unsupported
+    architectures up front."""
     model_dir = resolve_model_dir(model_dir)
     family = family_for(read_config_dict(model_dir).get("model_type"))
-    checkpoint = Checkpoint(model_dir)
+    checkpoint = checkpoint or Checkpoint(model_dir)
     try:
         config = AutoConfig.from_pretrained(str(checkpoint.dir))
     except Exception as exc:  # transformers raises many kinds for a bad config
@@ -74,13 +77,15 @@ def build_dense(
     dtype: torch.dtype | None = None,
     replace: dict[str, torch.Tensor] | None = None,
     skip: frozenset[str] = frozenset(),
+    checkpoint: Checkpoint | None = None,
 ) -> LoadedModel:
     """The transformers model with every dense tensor loaded and no routed expert materialized.
 
     ``replace``: disk key → tensor read instead of the checkpoint (a quantized checkpoint's dense
-    modules, dequantized: ``<module>.weight``); ``skip``: disk keys not to read (their packed parts).
+    modules, dequantized: ``<module>.weight``); ``skip``: disk keys not to read (their packed parts);
+    ``checkpoint``: ``model_dir``'s checkpoint when the caller has it open already.
     """
-    checkpoint, config, family = load_config(model_dir)
+    checkpoint, config, family = load_config(model_dir, checkpoint)
     dtype = dtype or _config_dtype(config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=EXPERTS_IMPLEMENTATION)

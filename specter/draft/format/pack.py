@@ -201,7 +201,11 @@ def group_for(module: str, qconfig: dict[str, Any]) -> tuple[str, dict[str, Any]
 
 def bits_for(module: str, qconfig: dict[str, Any]) -> int:
     """``num_bits`` of the config group that holds ``module``."""
-    name, group = group_for(module, qconfig)
+    return group_bits(*group_for(module, qconfig))
+
+
+def group_bits(name: str, group: dict[str, Any]) -> int:
+    """``num_bits`` of config group ``name`` (4 or 8, else an error naming the field)."""
     bits = int(group["weights"]["num_bits"])
     _check_bits(bits, f"quantization_config.config_groups.{name}.weights.num_bits")
     return bits

@@ -23,12 +23,12 @@ Layouts, as each library writes them (``out`` × ``in`` weight, ``g`` groups, ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from specter.draft.format.pack import FORMATS, PACKED_SUFFIXES, bits_for, group_for, read_weight
+from specter.draft.format.pack import FORMATS, PACKED_SUFFIXES, group_bits, group_for, read_weight
 from specter.draft.format.qweight import QuantWeight
 
 Read = Callable[[str], torch.Tensor]
@@ -63,12 +63,9 @@ class CompressedTensorsScheme:
         self.qconfig = qconfig
 
     def read(self, module: str, read: Read, has: Has) -> QuantWeight:
-        weights = _group_weights(module, self.qconfig)
-        bits = bits_for(module, self.qconfig)
-        if weights.get("symmetric") and not has(f"{module}.weight_zero_point"):
-            quant = read_weight(module, read, has, bits, symmetric=True)
-        else:
-            quant = read_weight(module, read, has, bits)
+        name, group = group_for(module, self.qconfig)
+        symmetric = bool((group.get("weights") or {}).get("symmetric")) and not has(f"{module}.weight_zero_point")
+        quant = read_weight(module, read, has, group_bits(name, group), symmetric)
         if has(f"{module}.weight_g_idx"):
             return _with_act_order(quant, read(f"{module}.weight_g_idx"), f"{module}.weight_g_idx")
         return quant
@@ -96,7 +93,7 @@ class AwqGemmScheme:
         zeros = _awq_columns(unpack_words(_int32(qzeros, f"{module}.qzeros"), self.bits))  # (g, out)
         inp, out = codes.shape
         groups = inp // self.group if self.group > 0 else 1
-        if scales.shape != (groups, out) or zeros.shape != (groups, out) or inp % groups or inp % max(self.group, 1):
+        if (self.group > 0 and inp % self.group) or scales.shape != (groups, out) or zeros.shape != (groups, out):
             raise ValueError(
                 f"{module}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                 f"{tuple(scales.shape)} do not fit one {out}×{inp} weight in groups of {self.group} "
@@ -171,15 +168,11 @@ def scheme_for(qconfig: dict[str, Any]) -> Scheme:
     )
 
 
-def quantized_modules(scheme: Scheme, keys: set[str]) -> list[str]:
+def quantized_modules(scheme: Scheme, keys: Iterable[str]) -> list[str]:
     """Every module of a checkpoint that the scheme stores quantized."""
     suffix = f".{scheme.main}"
     return sorted(k.removesuffix(suffix) for k in keys if k.endswith(suffix))
 
-
-
-def _group_weights(module: str, qconfig: dict[str, Any]) -> dict[str, Any]:
-    return dict(group_for(module, qconfig)[1].get("weights") or {})
 
 
 def _require(module: str, suffixes: tuple[str, ...], has: Has) -> None:

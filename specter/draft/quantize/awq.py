@@ -401,11 +401,10 @@ def quantize_layer(
     if len(weights) != len(inputs):
         raise ValueError(f"inputs has {len(inputs)} entries for {len(weights)} experts")
     if spec.method != "awq" or spec.layout == "per-expert":
-        experts = [
-            quantize_expert(gu, dn, rec[0], rec[1], spec, rec[2], act) if rec is not None
-            else quantize_expert(gu, dn, None, None, spec, None, act)
-            for (gu, dn), rec in zip(weights, inputs, strict=True)
-        ]
+        experts = []
+        for (gate_up, down), rec in zip(weights, inputs, strict=True):
+            x, h, w = rec if rec is not None else (None, None, None)
+            experts.append(quantize_expert(gate_up, down, x, h, spec, w, act))
         return QuantLayer(experts)
     hidden, inter = weights[0][0].shape[1], weights[0][1].shape[1]
     gu_group = spec.group_for(hidden)
@@ -417,19 +416,14 @@ def quantize_layer(
     losses = {
         e: ExpertLoss(weights[e][0], weights[e][1], rec[0], token_weight[e], act) for e, rec in calibrated.items()
     }
-    scale, alpha, duo = _layer_scale(weights, calibrated, losses, spec, gu_group)
+    scale, alpha, duo, quants = _layer_scale(weights, calibrated, losses, spec, gu_group)
     experts = []
     for e, (gate_up, down) in enumerate(weights):
         if e not in calibrated:
-            quant = quantize_weight(gate_up, spec.num_bits, gu_group, spec.scale_dtype, scale)
-            gate, up = split_rows(quant, inter)
-            expert = QuantExpert(gate, up, quantize_weight(down, spec.num_bits, spec.group_for(inter),
-                                                           spec.scale_dtype), fallback=True)
-            experts.append(expert)
+            experts.append(_round_to_nearest(gate_up, down, spec, fallback=True, gate_up_scale=scale))
             continue
         x, h, _ = calibrated[e]
-        quant = quantize_weight(gate_up, spec.num_bits, gu_group, spec.scale_dtype, scale)
-        chosen = Searched(quant, losses[e](quant), alpha, duo)
+        chosen = Searched(quants[e], losses[e](quants[e]), alpha, duo)
         gu = apply_clip(gate_up, x, token_weight[e], chosen, spec, losses[e])
         dn = search_weight(down, h, token_weight[e], spec, spec.group_for(inter))
         gate, up = split_rows(gu.quant, inter)
@@ -449,28 +443,27 @@ def _layer_scale(
     losses: dict[int, ExpertLoss],
     spec: QuantSpec,
     group_size: int,
-) -> tuple[torch.Tensor | None, float, bool]:
+) -> tuple[torch.Tensor | None, float, bool, dict[int, QuantWeight]]:
     """The one gate/up input scale of a layer: the candidate (RTN first, kept on ties) with the
     lowest sum over calibrated experts of their raw router-weighted output error. The statistics
     are the layer's: ``mean |x|`` over every recorded (token, expert) input, the weight magnitude
-    over every expert's gate and up rows."""
+    over every expert's gate and up rows. Returns the scale, its α and form, and each calibrated
+    expert's gate/up quantized with it."""
     every_input = torch.cat([rec[0].float() for rec in calibrated.values()])
     every_weight = torch.cat([gate_up.float() for gate_up, _ in weights])
-    best: tuple[float, torch.Tensor | None, float, bool] | None = None
+    best: tuple[float, torch.Tensor | None, float, bool, dict[int, QuantWeight]] | None = None
     for alpha, duo, s in scale_candidates(every_weight, every_input, spec, group_size):
         if s is not None:
             # Powers of two: dividing the norm and multiplying the router (and the shared expert) by
             # them involves no rounding in any binary float, so the fold by itself changes no router
             # logit; arbitrary scales rounded to bf16 alone flipped ~1-2 % of the top-k sets.
             s = torch.exp2(torch.round(torch.log2(s)))
-        total = sum(
-            losses[e].total(quantize_weight(weights[e][0], spec.num_bits, group_size, spec.scale_dtype, s))
-            for e in calibrated
-        )
+        quants = {e: quantize_weight(weights[e][0], spec.num_bits, group_size, spec.scale_dtype, s) for e in calibrated}
+        total = sum(losses[e].total(q) for e, q in quants.items())
         if best is None or total < best[0]:
-            best = (total, s, alpha, duo)
+            best = (total, s, alpha, duo, quants)
     assert best is not None  # RTN is always a candidate
-    return best[1], best[2], best[3]
+    return best[1:]
 
 
 def fold_down_scale(up: QuantWeight, down: QuantWeight) -> tuple[QuantWeight, QuantWeight]:
@@ -511,10 +504,16 @@ def _score(
 
 
 def _round_to_nearest(
-    gate_up: torch.Tensor, down: torch.Tensor, spec: QuantSpec, fallback: bool
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    spec: QuantSpec,
+    fallback: bool,
+    gate_up_scale: torch.Tensor | None = None,
 ) -> QuantExpert:
+    """Round-to-nearest (``gate_up_scale``: the folded layout's layer scale, which every expert's
+    gate and up must take)."""
     two_i, hidden = gate_up.shape
-    gate_up_q = quantize_weight(gate_up, spec.num_bits, spec.group_for(hidden), spec.scale_dtype)
+    gate_up_q = quantize_weight(gate_up, spec.num_bits, spec.group_for(hidden), spec.scale_dtype, gate_up_scale)
     down_q = quantize_weight(down, spec.num_bits, spec.group_for(two_i // 2), spec.scale_dtype)
     gate, up = split_rows(gate_up_q, two_i // 2)
     return QuantExpert(gate, up, down_q, fallback=fallback)

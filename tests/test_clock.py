@@ -3,6 +3,7 @@ identical figures run after run, and nothing that sleeps."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -111,8 +112,9 @@ def setup(request, tiny_dir, tmp_path_factory):
     return folder, out[0, len(PROMPT):].tolist(), draft
 
 
-def _run(folder, draft, policy: str, clock: str, rho: float = 3.0):
-    timing = resolve_timing(str(folder), clock, "qwen2moe-pcie4", rho=rho, step_s=0.004)
+def _run(folder, draft, policy: str, clock: str, rho: float = 3.0, idle: bool = True):
+    timing = dataclasses.replace(resolve_timing(str(folder), clock, "qwen2moe-pcie4", rho=rho, step_s=0.004),
+                                 idle=idle)
     target = OffloadedTarget.load(folder, SlotConfig(fraction=0.25), timing.link, policy=policy,
                                   clock=timing.make_clock())
     target.offload.set_host(timing.host)
@@ -154,14 +156,31 @@ def test_nothing_sleeps_on_the_virtual_clock(setup):
 
 
 def test_measured_clock_charges_compute_as_it_ran(setup):
-    """Measured: compute at its CPU time (> 0, and no more than the wall time it took); no sleeps."""
+    """Measured, jumping over its waits: compute at its CPU time (> 0, and no more than the wall
+    time it took); no sleeps."""
     folder, expected, draft = setup
     t0 = time.perf_counter()
-    tokens, stats = _run(folder, draft, "specter+nohost", "measured", rho=1e4)
+    tokens, stats = _run(folder, draft, "specter+nohost", "measured", rho=1e4, idle=False)
     wall = time.perf_counter() - t0
     assert tokens == expected and stats.extra["clock"] == "measured"
     assert 0 < stats.extra["draft_s"] < wall
     assert stats.decode_s > wall  # the link's virtual waits are most of it, and took no wall time
+
+
+def test_measured_clock_idles_through_its_waits_without_counting_them(setup):
+    """Measured, idling (the default): the run sleeps about as long as it waits on its clock, and
+    the sleep is not counted as compute: a second, jumping run of the same command gives the same
+    tokens, the same link figures and about the same clock time."""
+    folder, expected, draft = setup
+    t0 = time.perf_counter()
+    tokens, idle = _run(folder, draft, "demand-lru", "measured", rho=50.0)
+    wall = time.perf_counter() - t0
+    jumping = _run(folder, draft, "demand-lru", "measured", rho=50.0, idle=False)[1]
+    assert tokens == expected
+    assert wall > idle.wait_s > 0.5  # it slept through the waits (a 50x link-bound run: seconds)
+    assert idle.misses == jumping.misses and idle.bytes_moved == jumping.bytes_moved
+    # waits are charged from the event model, not measured: the sleeps' overshoot adds nothing
+    assert idle.decode_s < 1.5 * jumping.decode_s + 0.05
 
 
 def test_cli_virtual_generate_is_repeatable_and_names_its_clock(tiny_dir, capsys):

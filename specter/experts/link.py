@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from specter.timing.clock import SPIN_S, VirtualClock
+from specter.timing.clock import VirtualClock, WallClock
 
 DEMAND, PREFETCH = 0, 1
 _PRIOR_BYTES_PER_S = 12e9  # before anything has moved: PCIe 4.0 x16 in practice, pageable
+_WALL = WallClock()
 
 
 class LinkError(RuntimeError):
@@ -51,6 +52,7 @@ class Transfer:
     cancelled: bool = False
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
+    copied: threading.Event = field(default_factory=threading.Event, repr=False)  # bytes in the slot
 
     def wait(self, timeout: float) -> float:
         """Block until the blob is in its slot; returns the seconds waited."""
@@ -169,11 +171,17 @@ class Link:
             self.busy_s += busy if busy is not None else time.perf_counter() - t0
             self.bytes_moved += transfer.nbytes
             self.transfers += 1
+            transfer.copied.set()
+            if transfer.error is None:
+                self._land(transfer)
             transfer.done.set()
 
     def _move(self, transfer: Transfer) -> float | None:
         """Move one blob; returns the link's busy seconds for it (None: the time the call took)."""
         raise NotImplementedError
+
+    def _land(self, transfer: Transfer) -> None:
+        """After the copy: hold the transfer until it is due (a simulated link); nothing by default."""
 
 
 class SimulatedLink(Link):
@@ -201,15 +209,37 @@ class SimulatedLink(Link):
         """Exactly the simulated time (0 while untimed)."""
         return self.latency + nbytes / self.bandwidth if self.timed else 0.0
 
+    def wait(self, transfer: Transfer, timeout: float) -> float:
+        """Block until ``transfer`` has landed: its bytes are copied and its due time has passed.
+
+        The waiter sleeps to the due time itself (``WallClock.wait_until``) instead of waiting for
+        the link thread to wake at it and hand over: that hand-off is a cost of simulating a link
+        with a thread (a DMA engine's completion needs no interpreter lock), and a link thread that
+        spins to be on time takes the lock from the compute thread (``docs/benchmark.md``)."""
+        t0 = time.perf_counter()
+        if not transfer.copied.wait(timeout):
+            raise LinkError(
+                f"transfer of expert {transfer.key} into slot {transfer.slot} did not finish in {timeout:.1f}s"
+            )
+        if transfer.error is not None:
+            raise LinkError(f"transfer of expert {transfer.key} failed: {transfer.error}") from transfer.error
+        _WALL.wait_until(transfer.due)
+        return time.perf_counter() - t0
+
     def _move(self, transfer: Transfer) -> float | None:
         if not self.timed:
             transfer.dst.copy_(transfer.src)
-            self._due = time.perf_counter()
+            self._due = transfer.due = time.perf_counter()
             return None
-        begin, deadline = self._schedule(transfer)
+        begin, transfer.due = self._schedule(transfer)
         transfer.dst.copy_(transfer.src)
-        self._hold(deadline)
-        return deadline - begin
+        return transfer.due - begin
+
+    def _land(self, transfer: Transfer) -> None:
+        """Sleep until the transfer is due (no spinning: its waiter keeps the time, ``wait``)."""
+        remaining = transfer.due - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def _schedule(self, transfer: Transfer) -> tuple[float, float]:
         """When ``transfer`` starts and lands. A copy engine starts a transfer when it is submitted
@@ -219,14 +249,6 @@ class SimulatedLink(Link):
         transfer.started_at = begin
         self._due = begin + self.latency + transfer.nbytes / self.bandwidth
         return begin, self._due
-
-    @staticmethod
-    def _hold(deadline: float) -> None:
-        remaining = deadline - time.perf_counter() - SPIN_S
-        if remaining > 0:
-            time.sleep(remaining)
-        while time.perf_counter() < deadline:  # the last stretch yielding, not sleeping: a sleep
-            time.sleep(0)  # overshoots by ~0.3 ms here, more than most transfers' own error
 
     def describe(self) -> str:
         return f"sim:{self.bandwidth / 1e9:g}GB/s,{self.latency * 1e6:g}us"

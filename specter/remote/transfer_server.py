@@ -24,6 +24,7 @@ from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch, S
 from specter.remote.channel import Channel, DropLog
 from specter.remote.counters import SharedCounters
 from specter.remote.shm import SharedSlots
+from specter.timing.clock import SPIN_S
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,19 @@ class SlotWriterLink(SimulatedLink):
             published = transfer.key
         finally:
             self.slots.publish(transfer.slot, published)
+
+    def _land(self, transfer: Transfer) -> None:
+        """Nothing after the publish: ``_move`` held the transfer until it was due."""
+
+    @staticmethod
+    def _hold(deadline: float) -> None:
+        """Until ``deadline``: the reader trusts the slot once it is published, so it is published
+        on time (sleep, then yield for the last stretch: a sleep overshoots by ~0.3 ms here)."""
+        remaining = deadline - time.perf_counter() - SPIN_S
+        if remaining > 0:
+            time.sleep(remaining)
+        while time.perf_counter() < deadline:
+            time.sleep(0)
 
 
 class TransferServer:

@@ -13,7 +13,11 @@ advances the clock to when the transfer lands or the host is done. How long comp
   (``specter.timing.costs.CostModel``): a GPU's proportions, the same on any machine and under any load;
 * no ``costs`` (clock name ``measured``): the compute's measured duration on this CPU — the main
   thread's real time between two readings of the clock, less the link's bookkeeping — which is
-  the wall clock without its sleeps (``docs/benchmark.md`` validates it against the wall clock).
+  the wall clock with its waits charged by the event model (``docs/benchmark.md`` validates it
+  against the wall clock). It idles through each wait as the wall clock does, without counting
+  it: on this CPU compute right after an idle stretch runs 2–4× slower than back to back (caches
+  and predictors gone cold), so a clock that jumped would time its compute warmer than a real
+  run's. ``VirtualClock(None, idle=False)`` jumps instead (the gap that makes is in the same doc).
 """
 
 from __future__ import annotations
@@ -87,13 +91,16 @@ class VirtualClock(WallClock):
 
     Args:
         costs: the cost model; None charges each stretch of compute its measured duration.
+        idle: measured only: sleep through each wait (uncounted) as the wall clock would, so that
+            the compute after it is timed in the state a real run computes it in.
     """
 
     virtual = True
 
-    def __init__(self, costs: Costs | None = None):
+    def __init__(self, costs: Costs | None = None, idle: bool = True):
         self.costs = costs
         self.name = "virtual" if costs is not None else "measured"
+        self.idle = idle and costs is None
         self._t = 0.0
         self._mark = time.perf_counter()
         self.draft_charged = 0.0  # seconds charged to draft forwards so far (the bound's device part)
@@ -110,6 +117,9 @@ class VirtualClock(WallClock):
         if deadline <= now:
             return 0.0
         self._t = deadline
+        if self.idle:
+            time.sleep(deadline - now)
+            self._mark = time.perf_counter()  # the sleep is the wait already charged, not compute
         return deadline - now
 
     @contextmanager
@@ -139,11 +149,13 @@ class VirtualClock(WallClock):
             self.draft_charged += cost
 
     def describe(self) -> str:
-        return f"virtual ({self.costs.describe()})" if self.costs is not None else "measured (virtual link and host)"
+        if self.costs is not None:
+            return f"virtual ({self.costs.describe()})"
+        return f"measured (virtual link and host{', idling through waits' if self.idle else ''})"
 
 
-def make_clock(name: str, costs: Costs | None = None) -> WallClock:
-    """``wall`` | ``virtual`` (needs ``costs``) | ``measured``."""
+def make_clock(name: str, costs: Costs | None = None, idle: bool = True) -> WallClock:
+    """``wall`` | ``virtual`` (needs ``costs``) | ``measured`` (``idle``: see ``VirtualClock``)."""
     if name == "wall":
         return WallClock()
     if name == "virtual":
@@ -151,5 +163,5 @@ def make_clock(name: str, costs: Costs | None = None) -> WallClock:
             raise ValueError("clock: 'virtual' charges compute from a cost model; give a profile")
         return VirtualClock(costs)
     if name == "measured":
-        return VirtualClock(None)
+        return VirtualClock(None, idle=idle)
     raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {name!r}")

@@ -129,10 +129,11 @@ class Timing:
     costs: CostModel | None = None
     profile: str | None = None
     rho: float | None = None
+    idle: bool = True  # the measured clock sleeps through its waits (``VirtualClock``)
 
     def make_clock(self) -> WallClock:
         """A fresh clock of this kind (one per target: each target's link lives on its own)."""
-        return make_clock(self.clock, self.costs)
+        return make_clock(self.clock, self.costs, self.idle)
 
     def describe(self) -> str:
         rho = f", rho {self.rho:.1f}" if self.rho is not None else ""

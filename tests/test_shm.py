@@ -175,6 +175,22 @@ def test_wait_ready_waits_for_a_newer_sequence_and_times_out_clearly(pool: Share
     assert pool.publish(1, None) == seq + 2 and pool.read(1) == (None, seq + 2)
 
 
+def test_a_blob_published_before_it_is_due_is_waited_for_until_then(pool: SharedSlots) -> None:
+    """The writer publishes as soon as the bytes are in, with when they land: readers see the
+    due time (also through another mapping) and ``wait_ready`` returns no earlier than it."""
+    assert pool.begin_write(0)
+    due = time.perf_counter() + 0.05
+    seq = pool.publish(0, (1, 2), due=due)
+    other = SharedSlots.attach(pool.handle)
+    try:
+        assert other.read(0) == ((1, 2), seq) and other.due(0) == due
+        assert other.wait_ready(0, (1, 2), seq) == seq
+        assert time.perf_counter() >= due
+    finally:
+        other.close()
+    assert pool.write(0, (1, 3), torch.zeros(16)) == seq + 2 and pool.due(0) == 0.0  # due at once
+
+
 def test_a_pinned_slot_is_not_overwritten(pool: SharedSlots) -> None:
     pool.write(2, (1, 1), torch.ones(16))
     seq = pool.acquire(2, (1, 1))

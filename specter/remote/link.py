@@ -31,43 +31,58 @@ from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
 from specter.remote.shm import MAX_SLEEP_S, SharedSlots
+from specter.timing.clock import WallClock
 
 _FOREVER_S = 1e9
 _PRUNE_AT = 4096
 _POLL_S = 50e-6  # close polling around a landing (a sleep this short wakes ~20 µs late here)
 _IDLE_S = 2e-3  # nothing due for this long: back off (the copy thread may be waiting on a pin)
+_WALL = WallClock()
 
 
 class SeqEvent(threading.Event):
-    """Set once ``slots`` shows ``key`` published in ``slot`` at a sequence number after ``after``.
+    """Set once ``slots`` shows ``key`` published in ``slot`` at a sequence number after ``after``
+    and the blob's due time (published with it) has passed.
 
     ``wait`` sleeps while the transfer moving now (``counters.due``) is not due — nothing can land
     before it does: one copy thread — and polls closely once it is; when nothing has been due for a
-    while (the copy thread may be waiting on a pinned slot) it backs off like ``wait_ready``.
+    while (the copy thread may be waiting on a pinned slot) it backs off like ``wait_ready``. Once
+    the blob is published it sleeps to its due time itself (``WallClock.wait_until``): the copy
+    thread publishes as soon as the bytes are in, so its own wake-up is not on the reader's path.
     """
 
     def __init__(self, slots: SharedSlots, slot: int, key: Key, after: int, counters: SharedCounters):
         super().__init__()
         self.slots, self.slot, self.after, self.counters = slots, slot, after, counters
         self.key: Key = (key[0], key[1])
+        self.due: float | None = None  # when the published blob lands (once seen published)
+
+    def published(self) -> bool:
+        """The blob is in the slot (it may not be due yet)."""
+        if self.due is not None:
+            return True
+        got, seq = self.slots.read(self.slot)
+        if got == self.key and seq > self.after:
+            self.due = self.slots.due(self.slot)
+            return True
+        return False
 
     def is_set(self) -> bool:
         if super().is_set():
             return True
-        got, seq = self.slots.read(self.slot)
-        if got == self.key and seq > self.after:
+        if self.published() and time.perf_counter() >= (self.due or 0.0):
             self.set()
             return True
         return False
 
     def started(self) -> bool:
         """The slot has been claimed for a write since the transfer was submitted."""
-        return self.is_set() or self.slots.read(self.slot)[1] != self.after
+        return self.due is not None or super().is_set() or self.slots.read(self.slot)[1] != self.after
 
     def wait(self, timeout: float | None = None) -> bool:
         end = time.perf_counter() + (_FOREVER_S if timeout is None else timeout)
         idle = 0.0  # how long nothing has been due
-        while not self.is_set():
+        while not self.published():
             now = time.perf_counter()
             if now >= end:
                 return False
@@ -78,6 +93,11 @@ class SeqEvent(threading.Event):
             else:
                 idle += _POLL_S
                 time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
+        assert self.due is not None
+        if self.due > end:
+            return False
+        _WALL.wait_until(self.due)
+        self.set()
         return True
 
 
@@ -135,7 +155,9 @@ class RemoteLink(Link):
             return now
         if not self._started(transfer):
             return None
-        return max(now, self.counters.due())
+        done = transfer.done
+        due = done.due if isinstance(done, SeqEvent) else None
+        return max(now, self.counters.due() if due is None else due)
 
     @property
     def timed(self) -> bool:

@@ -8,8 +8,10 @@ interprocess event; the table stays in host shared memory. **The CUDA branch is 
 CPU machines this was written on; it is tested on a lent GPU.**
 
 Readiness is a seqlock per slot (docs/wire.md): the writer makes the slot's sequence number odd,
-writes the blob and the owner key, then makes it even; a reader reads the number, the key, and the
-number again, and trusts the key only if both reads agree and are even. A reader *pins* a slot
+writes the blob, the owner key and when the blob counts as landed (its *due* time: a simulated
+link's landing, ``time.perf_counter`` seconds), then makes it even; a reader reads the number, the
+key, and the number again, and trusts the key only if both reads agree and are even, and the blob
+only from its due time on. A reader *pins* a slot
 while it computes with it; the writer does not start writing a pinned slot (Dekker-style: each
 side stores, fences, then loads the other side's word).
 """
@@ -42,10 +44,10 @@ from specter.remote.segments import (
 log = logging.getLogger(__name__)
 
 MAGIC = 0x544F4C5352545053  # b"SPTRSLOT" read as a little-endian int64
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: a fifth word per row, the blob's due time
 HEADER_WORDS = 8  # magic, layout version, num_slots, numel, itemsize, 3 reserved
-SEQ, LAYER, EXPERT, PINS = range(4)  # the int64 words of one table row
-ROW_WORDS = 4
+SEQ, LAYER, EXPERT, PINS, DUE = range(5)  # the words of one table row (DUE a float64, the rest int64)
+ROW_WORDS = 5
 EMPTY = -1  # LAYER/EXPERT of a slot that holds nothing
 SPIN_S = 50e-6  # wait_ready spins this long before it starts to sleep
 MAX_SLEEP_S = 1e-3
@@ -110,6 +112,7 @@ class SharedSlots:
         self.table = np.ndarray(
             (handle.num_slots, ROW_WORDS), dtype="<i8", buffer=table.buf, offset=8 * HEADER_WORDS
         )
+        self._due = self.table.view("<f8")[:, DUE]  # the same words, read as seconds
         self._events: list[Any] = []
         self.storage = self._map_storage() if storage is None else storage
         names = [handle.table_name, handle.data_name]
@@ -185,13 +188,15 @@ class SharedSlots:
             return False
         return True
 
-    def publish(self, slot: int, key: Key | None, stream: Any = None) -> int:
-        """Finish a write begun by :meth:`begin_write`: ``key`` now sits in ``slot``.
+    def publish(self, slot: int, key: Key | None, stream: Any = None, due: float = 0.0) -> int:
+        """Finish a write begun by :meth:`begin_write`: ``key`` now sits in ``slot``, to be read from
+        ``due`` on (``time.perf_counter`` seconds; 0: at once).
 
         Returns the slot's new (even) sequence number.
         """
         layer, expert = key if key is not None else (EMPTY, EMPTY)
         self.table[slot, LAYER], self.table[slot, EXPERT] = layer, expert
+        self._due[slot] = due
         self._record(slot, stream)
         fence()  # release: blob and key are visible before the even number
         seq = int(self.table[slot, SEQ]) + 1
@@ -227,13 +232,20 @@ class SharedSlots:
             return None, seq
         return (layer, expert), seq
 
+    def due(self, slot: int) -> float:
+        """When the blob published in ``slot`` counts as landed (read it after :meth:`read` saw the
+        key, and trust it while :meth:`is_current` says the slot has not been claimed since)."""
+        fence()
+        return float(self._due[slot])
+
     def is_current(self, slot: int, seq: int) -> bool:
         """True while ``slot`` has not been claimed for a write since ``seq`` was read."""
         fence()
         return int(self.table[slot, SEQ]) == seq
 
     def wait_ready(self, slot: int, key: Key, seq: int = 0, timeout_s: float = 5.0) -> int:
-        """Wait until ``slot`` holds ``key`` at a sequence number >= ``seq``; returns that number.
+        """Wait until ``slot`` holds ``key`` at a sequence number >= ``seq``, landed (its due time
+        passed); returns that number.
 
         Spins for ``SPIN_S``, then sleeps with a backoff doubling up to ``MAX_SLEEP_S``.
 
@@ -245,6 +257,9 @@ class SharedSlots:
         while True:
             got, now_seq = self.read(slot)
             if got == tuple(key) and now_seq >= seq:
+                ahead = self.due(slot) - time.perf_counter()
+                if ahead > 0:  # published, not landed yet
+                    time.sleep(ahead)
                 return now_seq
             waited = time.monotonic() - start
             if waited > timeout_s:
@@ -285,6 +300,7 @@ class SharedSlots:
         """Unmap this process's view (the segments stay until :meth:`unlink`)."""
         self.storage = torch.empty(0, self.numel, dtype=self.dtype)
         self.table = np.empty((0, ROW_WORDS), dtype="<i8")
+        self._due = self.table.view("<f8")[:, DUE]
         self._events = []
         for shm in (self._data_shm, self._table_shm):
             close_shared(shm)
@@ -367,7 +383,7 @@ def _write_header(table: SharedMemory, num_slots: int, numel: int, itemsize: int
     header = np.ndarray((HEADER_WORDS,), dtype="<i8", buffer=table.buf)
     header[:5] = (MAGIC, LAYOUT_VERSION, num_slots, numel, itemsize)
     rows = np.ndarray((num_slots, ROW_WORDS), dtype="<i8", buffer=table.buf, offset=8 * HEADER_WORDS)
-    rows[:] = (0, EMPTY, EMPTY, 0)
+    rows[:] = (0, EMPTY, EMPTY, 0, 0)  # due 0.0: the bits of a float64 zero
     del header, rows  # release the buffer exports so that close() can unmap
 
 

@@ -3,7 +3,8 @@
 ``SlotWriterLink`` is a ``SimulatedLink`` (same time model: ``latency + bytes / bandwidth`` per
 transfer, one at a time, demand before prefetch, queued ones cancellable) whose copies land in
 :class:`~specter.remote.shm.SharedSlots`: each transfer claims its slot in the seq table, copies,
-waits out the link model, counts itself in :class:`SharedCounters`, then publishes the key.
+counts itself in :class:`SharedCounters`, publishes the key with the time it lands (the link
+model's), and sleeps to that time before the next copy; the reader waits to it itself.
 ``TransferServer`` reads ``FetchExpert``/``PromoteFetch``/``DropFetch``/``LinkTiming`` from a
 channel and drives it. A command that names no real expert, slot or transfer, or a message meant
 for another actor, is refused before it indexes anything, counted in ``rejections`` by reason and
@@ -24,7 +25,6 @@ from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch, S
 from specter.remote.channel import Channel, DropLog
 from specter.remote.counters import SharedCounters
 from specter.remote.shm import SharedSlots
-from specter.timing.clock import SPIN_S
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class SlotWriterLink(SimulatedLink):
         t0 = time.perf_counter()
         untimed = transfer in self.untimed or not self.timed
         begin, due = (t0, t0) if untimed else self._schedule(transfer)
+        transfer.due = due
         # due before the slot turns odd: a reader that sees the copy started also sees when it lands
         self.counters.moving(due)
         while not self.slots.begin_write(transfer.slot):  # a reader pins it (not done by the verifier yet)
@@ -70,26 +71,14 @@ class SlotWriterLink(SimulatedLink):
             transfer.dst.copy_(transfer.src)
             if untimed:
                 self._due = max(self._due, time.perf_counter())  # the next timed copy starts after it
-            else:
-                self._hold(due)
+                due = transfer.due = time.perf_counter()
             if transfer not in self.untimed:  # the initial fill is not the link's work
-                self.counters.add(transfer.nbytes, time.perf_counter() - begin)
+                self.counters.add(transfer.nbytes, max(due, time.perf_counter()) - begin)
             published = transfer.key
         finally:
-            self.slots.publish(transfer.slot, published)
-
-    def _land(self, transfer: Transfer) -> None:
-        """Nothing after the publish: ``_move`` held the transfer until it was due."""
-
-    @staticmethod
-    def _hold(deadline: float) -> None:
-        """Until ``deadline``: the reader trusts the slot once it is published, so it is published
-        on time (sleep, then yield for the last stretch: a sleep overshoots by ~0.3 ms here)."""
-        remaining = deadline - time.perf_counter() - SPIN_S
-        if remaining > 0:
-            time.sleep(remaining)
-        while time.perf_counter() < deadline:
-            time.sleep(0)
+            # Published as soon as the bytes are in, with when they land: the reader waits to
+            # that time itself, and this thread sleeps to it (``_land``) before the next copy.
+            self.slots.publish(transfer.slot, published, due=due if published is not None else 0.0)
 
 
 class TransferServer:

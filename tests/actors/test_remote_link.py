@@ -158,8 +158,11 @@ def test_the_remote_link_knows_when_the_moving_transfer_lands(link) -> None:
     assert due is not None and due >= before + STEP_S  # it started after `before`, takes STEP_S
     assert remote.free_at(time.perf_counter()) == due
     assert remote.landing(queued, time.perf_counter()) is None  # not started
+    _until(moving.done.published)  # the bytes are in before it is due: published, not landed
+    assert moving.done.due == pytest.approx(due) and remote.landing(moving, time.perf_counter()) == pytest.approx(due)
     moving.wait(HANG_S)
     assert time.perf_counter() >= due  # it landed no earlier than due
+    assert moving.done.is_set() and remote.landing(moving, time.perf_counter()) <= time.perf_counter()
     queued.wait(HANG_S)
     remote.timed = False
     assert remote.estimate_s(SHAPE.nbytes) == 0.0

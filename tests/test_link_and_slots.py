@@ -134,3 +134,27 @@ def test_slot_pool_answers_for_its_state() -> None:
     assert pool.unpinned_per_group() == {0: 1, 1: 1}
     pool.unpin((0, 5))
     assert not pool.is_pinned((0, 5)) and pool.device.type == "cpu"
+
+
+def test_a_store_in_chunks_holds_whole_blobs_and_reads_like_one_arena(tiny_dir) -> None:
+    """Pinned stores are split in chunks of at most 1 GiB (torch's pinned allocator rounds each
+    allocation up to a power of two); any chunk size gives the same blobs as one arena, streamed
+    from the same checkpoint, with no blob across two chunks and no byte more than the blobs."""
+    from specter.experts.store import PINNED_CHUNK_BYTES, ExpertStore
+    from specter.models.loader import build_dense, load_store
+
+    loaded = build_dense(tiny_dir("qwen2_moe"), torch.float32)
+    whole = load_store(loaded)
+    assert whole.chunks == 1
+    shape, count = loaded.shape, len(loaded.moe_layers) * loaded.num_experts
+    for per in (1, 3, count - 1):
+        split = ExpertStore(loaded.moe_layers, loaded.num_experts, shape, chunk_bytes=per * shape.nbytes + 7)
+        split.load(loaded.checkpoint, loaded.family)
+        assert split.chunks == -(-count // per) and split.nbytes == whole.nbytes == count * shape.nbytes
+        for layer in loaded.moe_layers:
+            for expert in range(loaded.num_experts):
+                assert torch.equal(split.blob(layer, expert), whole.blob(layer, expert))
+    # 90 GB of Mixtral experts (352 MB each) pinned: 3 per 1 GiB chunk, never a 128 GB allocation
+    mixtral = ExpertShape(hidden=4096, intermediate=14336, dtype=torch.bfloat16)
+    assert ExpertStore.blobs_per_chunk(mixtral, 256, PINNED_CHUNK_BYTES) == 3
+    assert ExpertStore.blobs_per_chunk(mixtral, 256, None) == 256

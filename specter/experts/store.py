@@ -1,4 +1,5 @@
-"""Host memory for routed experts: one contiguous blob per (layer, expert), pinned on CUDA.
+"""Host memory for routed experts: one contiguous blob per (layer, expert), pinned on CUDA (in
+chunks of at most 1 GiB, whole blobs each).
 
 A blob holds ``[gate (I×H) | up (I×H) | down (H×I)]`` in the model's dtype, so one copy moves an
 expert and the fused ``gate_up`` view of the blob is exactly transformers' ``gate_up_proj[e]``.
@@ -15,6 +16,8 @@ from specter.models.checkpoint import Checkpoint, CheckpointError, TensorEntry, 
 from specter.models.families import Family
 
 log = logging.getLogger(__name__)
+
+PINNED_CHUNK_BYTES = 1 << 30  # one pinned allocation: a power of two, so the allocator rounds nothing up
 
 
 @dataclass(frozen=True)
@@ -50,21 +53,42 @@ class ExpertStore:
         pin: page-lock the host memory (CUDA only; makes copies asynchronous and faster).
         arena: memory to hold the blobs instead of a new allocation (e.g. shared memory,
             ``specter/remote/shared_store.py``): a flat tensor of ``arena_numel`` elements.
+        chunk_bytes: the most one allocation holds (whole blobs); default ``PINNED_CHUNK_BYTES``
+            when pinned, else one allocation for everything.
     """
 
     def __init__(self, layers: list[int], num_experts: int, shape: ExpertShape, pin: bool = False,
-                 arena: torch.Tensor | None = None):
+                 arena: torch.Tensor | None = None, chunk_bytes: int | None = None):
         self.layers = list(layers)
         self.num_experts = num_experts
         self.shape = shape
         numel = self.arena_numel(self.layers, num_experts, shape)
-        if arena is None:  # one arena; each blob is a contiguous slice of it (one allocation, one pin)
-            arena = torch.empty(numel, dtype=shape.dtype, pin_memory=pin)
+        count = len(self.layers) * num_experts
+        if arena is None:  # each blob a contiguous slice of a chunk; a blob never spans two
+            if chunk_bytes is None:
+                chunk_bytes = PINNED_CHUNK_BYTES if pin else None
+            self.per_chunk = self.blobs_per_chunk(shape, count, chunk_bytes)
+            self._chunks = [
+                torch.empty(min(self.per_chunk, count - start) * shape.numel, dtype=shape.dtype, pin_memory=pin)
+                for start in range(0, count, self.per_chunk)
+            ]
         elif arena.dim() != 1 or arena.numel() != numel or arena.dtype != shape.dtype:
             raise ValueError(f"arena: expected a flat {shape.dtype} tensor of {numel} elements, got "
                              f"{arena.dtype} of shape {tuple(arena.shape)}")
-        self._arena = arena
+        else:
+            self.per_chunk, self._chunks = max(1, count), [arena]
         self._row = {layer: i for i, layer in enumerate(self.layers)}
+
+    @staticmethod
+    def blobs_per_chunk(shape: ExpertShape, count: int, chunk_bytes: int | None) -> int:
+        """How many blobs one allocation of at most ``chunk_bytes`` holds (at least one; None: all).
+
+        Pinned stores use ``PINNED_CHUNK_BYTES``: torch's pinned allocator rounds every allocation
+        up to a power of two — one arena for ~90 GB of Mixtral experts would ask for 128 GB — and a
+        chunk of exactly that size wastes less than one blob."""
+        if chunk_bytes is None:
+            return max(1, count)
+        return max(1, min(count, chunk_bytes // shape.nbytes))
 
     @staticmethod
     def arena_numel(layers: list[int], num_experts: int, shape: ExpertShape) -> int:
@@ -73,12 +97,17 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return self._arena.numel() * self._arena.element_size()
+        return sum(chunk.numel() * chunk.element_size() for chunk in self._chunks)
+
+    @property
+    def chunks(self) -> int:
+        """Host allocations holding the blobs (1 unless pinned and larger than one chunk)."""
+        return len(self._chunks)
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
         """The 1-D host blob of one expert."""
-        index = self._row[layer] * self.num_experts + expert
-        return self._arena[index * self.shape.numel : (index + 1) * self.shape.numel]
+        chunk, index = divmod(self._row[layer] * self.num_experts + expert, self.per_chunk)
+        return self._chunks[chunk][index * self.shape.numel : (index + 1) * self.shape.numel]
 
     def load(self, checkpoint: Checkpoint, family: Family, progress: bool = False) -> None:
         """Stream every expert from disk into its blob, one expert (three tensors) at a time."""

@@ -97,6 +97,7 @@ class SeqEvent(threading.Event):
         if self.due > end:
             return False
         _WALL.wait_until(self.due)
+        self.slots.wait_copy(self.slot)  # CUDA: the reader's stream waits for the copy's event
         self.set()
         return True
 
@@ -175,7 +176,13 @@ class RemoteLink(Link):
     def submit(
         self, key: Key, slot: int, src: torch.Tensor, dst: torch.Tensor, priority: int, wait_for: Any = None
     ) -> Transfer:
-        """Ask the transfer actor to copy ``key`` into ``slot``; ``src`` is not used here."""
+        """Ask the transfer actor to copy ``key`` into ``slot``; ``src`` is not used here.
+
+        ``wait_for`` (CUDA: the event of the last kernels that read the slot) is waited for on the
+        host first: the other process's copy stream cannot wait on this process's event, and without
+        it the copy could overwrite bytes those kernels still read."""
+        if wait_for is not None:
+            wait_for.synchronize()
         return self._send_fetch(key, slot, dst, priority, timed=True)
 
     def place(self, placements: list[tuple[Key, int]], timeout: float) -> None:

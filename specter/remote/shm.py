@@ -276,7 +276,7 @@ class SharedSlots:
             self.table[slot, PINS] += 1
             fence()  # the pin is visible before we re-read the number (Dekker with begin_write())
             if self.is_current(slot, ready):
-                self._wait_event(slot)
+                self.wait_copy(slot)
                 return ready
             self.table[slot, PINS] -= 1
 
@@ -284,8 +284,10 @@ class SharedSlots:
         """Unpin a slot pinned by :meth:`acquire`."""
         self.table[slot, PINS] -= 1
 
-    def _wait_event(self, slot: int) -> None:
-        """CPU: nothing. CUDA: make the current stream wait for the slot's copy."""
+    def wait_copy(self, slot: int) -> None:
+        """Order the reader's next kernels after the copy into ``slot`` (call once the slot shows the
+        key). CPU: nothing, the bytes are there. CUDA: the current stream waits on the slot's
+        interprocess event, recorded on the copy stream before the publish: no host sync."""
 
     def _not_ready(self, slot: int, key: Key, seq: int, got: Key | None, now: int, timeout_s: float) -> str:
         state = "being written" if now % 2 else f"holding {got}" if got else "empty"
@@ -365,7 +367,7 @@ class _CudaSlots(SharedSlots):
             stream if stream is not None else torch.cuda.current_stream(self.storage.device)
         )
 
-    def _wait_event(self, slot: int) -> None:
+    def wait_copy(self, slot: int) -> None:
         self._events[slot].wait(torch.cuda.current_stream(self.storage.device))
 
 

@@ -122,6 +122,27 @@ def test_demand_jumps_queued_prefetches_and_lands_in_the_shared_slot(link) -> No
     assert order == [(0, 0), (1, 3), (0, 1), (0, 2), (0, 3)], order
 
 
+def test_a_reader_orders_its_compute_after_the_copy_and_a_writer_after_the_last_reader(link, monkeypatch) -> None:
+    """The two CUDA-IPC races, shown on the protocol (on a GPU the hooks are stream-event waits):
+    a wait for a transfer ends with ``wait_copy`` on its slot once the slot shows the key (the
+    reader's stream waits for the copy's event), and a fetch into a slot whose last reader left an
+    event waits for that event before the command goes to the other process."""
+    remote, slots, _ = link
+    seen: list[object] = []
+    monkeypatch.setattr(slots, "wait_copy", lambda slot: seen.append(("wait_copy", slot, slots.read(slot)[0])))
+    sent = remote.channel.send
+    monkeypatch.setattr(remote.channel, "send", lambda msg: (seen.append(type(msg).__name__), sent(msg)))
+
+    class LastReader:
+        def synchronize(self) -> None:
+            seen.append("last reader done")
+
+    transfer = remote.submit((1, 2), 3, torch.empty(0), slots.storage[3], DEMAND, wait_for=LastReader())
+    transfer.wait(HANG_S)
+    assert seen == ["last reader done", "FetchExpert", ("wait_copy", 3, (1, 2))]
+    assert torch.equal(slots.storage[3], torch.full((SHAPE.numel,), 12.0))
+
+
 def test_promote_and_cancel_and_counters(link) -> None:
     remote, slots, server = link
     order = _moves(server)

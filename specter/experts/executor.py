@@ -122,26 +122,27 @@ class OffloadedExperts:
     ) -> torch.Tensor:
         """Same result as transformers' eager experts loop, with experts taken from slots (or, for
         late ones when the policy allows it, computed on the host from their blobs)."""
-        needed = sorted(set(top_k_index.flatten().tolist()))
+        routes = Routes(top_k_index)  # the layer's one host sync
+        needed = routes.needed
         self.last_routing[layer] = top_k_index
         self.counters.layers += 1
         dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
         if self.trace is not None:
-            self._record(layer, dense_s, top_k_index, needed)
+            self._record(layer, dense_s, routes)
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         ready, pending, missing = self._classify(keys)
-        on_host = self._split_host(pending, missing, top_k_index)
+        on_host = self._split_host(pending, missing, routes)
         for transfer in filter(None, map(self.pool.transfer_of, pending)):
             self.link.promote(transfer)
         for key in on_host:  # the host works alongside the device: its deadline runs from now
-            outputs[key[1]] = self._run_host(module, key, hidden, top_k_index, top_k_weights)
+            outputs[key[1]] = self._run_host(module, key, hidden, routes, top_k_weights)
         protect = set(keys)
         queue = deque(missing)
         self._issue(queue, pending, protect)
         for key in ready:
-            outputs[key[1]] = self._run(module, key, hidden, top_k_index, top_k_weights)
+            outputs[key[1]] = self._run(module, key, hidden, routes, top_k_weights)
             protect.discard(key)
             self._issue(queue, pending, protect)
         while queue or pending:
@@ -152,7 +153,7 @@ class OffloadedExperts:
                 continue
             key = pending.popleft()
             self.wait(key)
-            outputs[key[1]] = self._run(module, key, hidden, top_k_index, top_k_weights)
+            outputs[key[1]] = self._run(module, key, hidden, routes, top_k_weights)
             protect.discard(key)
             self._issue(queue, pending, protect)
         if on_host:
@@ -171,10 +172,9 @@ class OffloadedExperts:
                            initial=set(pool.resident()))
         return self.trace
 
-    def _record(self, layer: int, dense_s: float, top_k_index: torch.Tensor, needed: list[int]) -> None:
+    def _record(self, layer: int, dense_s: float, routes: Routes) -> None:
         assert self.trace is not None
-        counts = top_k_index.flatten().bincount(minlength=max(needed) + 1).tolist()
-        self.trace.layers.append(LayerUse(layer, dense_s, {e: counts[e] for e in needed}))
+        self.trace.layers.append(LayerUse(layer, dense_s, {e: routes.count(e) for e in routes.needed}))
 
     def _classify(self, keys: list[Key]) -> tuple[list[Key], deque[Key], list[Key]]:
         """Split needed experts into ready (pinned now), in flight (pinned), and missing."""
@@ -197,7 +197,7 @@ class OffloadedExperts:
         return ready, pending, missing
 
     # -- host compute of late experts -------------------------------------------------------
-    def _split_host(self, pending: deque[Key], missing: list[Key], top_k_index: torch.Tensor) -> list[Key]:
+    def _split_host(self, pending: deque[Key], missing: list[Key], routes: Routes) -> list[Key]:
         """Take out of ``pending``/``missing`` the experts the host would finish before they land.
 
         Walks the late experts in order, keeping two clocks: when the link would land each one
@@ -216,7 +216,7 @@ class OffloadedExperts:
             transfer = self.pool.transfer_of(key)
             landed = self.link.landing(transfer, now) if transfer is not None else None
             eta = landed if landed is not None else link_t + self.link.estimate_s(nbytes)
-            done = host_t + host.expert_s(_tokens(top_k_index, key[1]))
+            done = host_t + host.expert_s(routes.count(key[1]))
             if done < eta:
                 chosen.append(key)
                 host_t = done
@@ -238,14 +238,13 @@ class OffloadedExperts:
             self.cancel(key)
 
     def _run_host(
-        self, module: Any, key: Key, hidden: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        self, module: Any, key: Key, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert computed on the host from its blob: the slot path's math on the same bytes."""
         assert self.host is not None
         gate_up, down = self.store.shape.split(self.store.blob(*key))
-        self.host.start(_tokens(top_k_index, key[1]), self.clock.now())
-        return _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
+        self.host.start(routes.count(key[1]), self.clock.now())
+        return _expert(module, key[1], gate_up, down, hidden, routes, top_k_weights)
 
     def _finish_host(self, on_host: list[Key]) -> None:
         """The layer ends when the host is done too; then, if the policy wants them (always, or
@@ -281,12 +280,11 @@ class OffloadedExperts:
             pending.append(key)
 
     def _run(
-        self, module: Any, key: Key, hidden: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        self, module: Any, key: Key, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert on its tokens, exactly as the eager loop computes it; then unpin its slot."""
         gate_up, down = self.pool.view(key)
-        out = _expert(module, key[1], gate_up, down, hidden, top_k_index, top_k_weights)
+        out = _expert(module, key[1], gate_up, down, hidden, routes, top_k_weights)
         self.clock.charge_expert(len(out[0]))
         event = None
         if self.on_cuda:  # on the pool's device's stream: the current device may be another one
@@ -296,20 +294,48 @@ class OffloadedExperts:
         return out
 
 
+class Routes:
+    """One MoE layer's routing grouped by expert, read to the host once.
+
+    For each expert, the (top-k slot, token) pairs routed to it, in the order transformers' eager
+    loop visits them (``torch.where((top_k_index == e).T)``: by slot, then token), from one stable
+    sort of the transposed routing; ``needed`` and the per-expert counts come from one
+    ``bincount`` read to the host — the layer's only device sync (the schedule needs the experts).
+    """
+
+    def __init__(self, top_k_index: torch.Tensor):
+        self.tokens = top_k_index.shape[0]
+        flat = top_k_index.T.reshape(-1)  # slot p of token t at p * tokens + t
+        self._order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat).tolist()
+        self._start: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for expert, count in enumerate(counts):
+            if count:
+                self._start[expert] = (offset, count)
+                offset += count
+        self.needed = list(self._start)  # ascending
+
+    def count(self, expert: int) -> int:
+        """Token rows routed to ``expert`` (0 if none)."""
+        return self._start.get(expert, (0, 0))[1]
+
+    def rows(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k slots, token rows) of ``expert``, ordered as the eager loop's ``torch.where``."""
+        offset, count = self._start[expert]
+        flat = self._order[offset : offset + count]
+        return flat // self.tokens, flat % self.tokens
+
+
 def _expert(
     module: Any, expert: int, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    routes: Routes, top_k_weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token rows, weighted output) of one expert, as transformers' eager experts loop computes it."""
-    top_k_pos, token_idx = torch.where((top_k_index == expert).T)
+    top_k_pos, token_idx = routes.rows(expert)
     gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
     out = F.linear(module.act_fn(gate) * up, down)
     return token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(hidden.dtype)
-
-
-def _tokens(top_k_index: torch.Tensor, expert: int) -> int:
-    """How many token rows of the pass are routed to ``expert``."""
-    return int((top_k_index == expert).sum())
 
 
 def default_host(link: Link, shape: ExpertShape, on_cuda: bool, clock: WallClock) -> HostCompute | None:

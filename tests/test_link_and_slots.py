@@ -158,3 +158,68 @@ def test_a_store_in_chunks_holds_whole_blobs_and_reads_like_one_arena(tiny_dir) 
     mixtral = ExpertShape(hidden=4096, intermediate=14336, dtype=torch.bfloat16)
     assert ExpertStore.blobs_per_chunk(mixtral, 256, PINNED_CHUNK_BYTES) == 3
     assert ExpertStore.blobs_per_chunk(mixtral, 256, None) == 256
+
+
+class _Engine:
+    """A copy engine for ``PipelinedLink``'s logic on a CPU: copies run in order on a thread of
+    their own, each 20 ms, and the test sees what was issued while earlier copies still ran."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self.jobs: queue.Queue = queue.Queue()
+        self.issued: list[tuple[tuple[int, int], int]] = []  # (key, copies not done when it was issued)
+        self.done = 0
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            transfer, finished = self.jobs.get()
+            time.sleep(0.02)
+            transfer.dst.copy_(transfer.src)
+            self.done += 1
+            finished.set()
+
+
+def test_a_pipelined_link_keeps_two_copies_in_flight_and_demand_still_goes_first() -> None:
+    import threading
+
+    from specter.experts.link import PipelinedLink
+
+    engine = _Engine()
+
+    class EngineLink(PipelinedLink):
+        name = "testlink"
+
+        def _issue(self, transfer):  # type: ignore[no-untyped-def]
+            if transfer.key == (9, 9):
+                raise RuntimeError("the engine refused it")
+            finished = threading.Event()
+            engine.issued.append((transfer.key, len(engine.issued) - engine.done))
+            engine.jobs.put((transfer, finished))
+            return finished
+
+        def _complete(self, transfer, handle):  # type: ignore[no-untyped-def]
+            handle.wait()
+            return 0.02
+
+    link = EngineLink(in_flight=2)
+    srcs = [torch.full((4,), float(e)) for e in range(6)]
+    dsts = [torch.empty(4) for _ in range(6)]
+    prefetches = [link.submit((0, e), e, srcs[e], dsts[e], PREFETCH) for e in range(4)]
+    time.sleep(0.005)  # two are issued at once, the third only when the first is done
+    demand = link.submit((1, 5), 5, srcs[5], dsts[5], DEMAND)
+    for transfer in (demand, *prefetches):
+        transfer.wait(60)
+    keys = [key for key, _ in engine.issued]
+    assert keys[:2] == [(0, 0), (0, 1)] and engine.issued[1][1] == 1  # issued while the first still ran
+    assert keys.index((1, 5)) == 2  # the demand went ahead of the prefetches not issued yet
+    assert max(ahead for _, ahead in engine.issued) <= 1  # never more than two in flight
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True) if d is not dsts[4])
+    assert link.transfers == 5 and link.busy_s == pytest.approx(0.1) and link.bytes_moved == 5 * 16
+    with pytest.raises(LinkError, match=r"expert \(9, 9\) failed: the engine refused it"):
+        link.submit((9, 9), 0, srcs[0], dsts[0], DEMAND).wait(60)
+    with pytest.raises(ValueError, match="in_flight"):
+        EngineLink(in_flight=0)
+    link.close()

@@ -18,6 +18,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,7 +147,9 @@ class Link:
             self._cond.notify()
         self._thread.join(timeout=5)
 
-    def _next(self) -> Transfer | None:
+    def _next(self, block: bool = True) -> Transfer | None:
+        """The most urgent queued transfer, marked started; None when the link is closed (or, not
+        blocking, when nothing is queued)."""
         with self._cond:
             while True:
                 while self._heap:
@@ -156,7 +159,7 @@ class Link:
                         transfer.started_at = time.perf_counter()
                         self._current = transfer
                         return transfer
-                if self._closed:
+                if self._closed or not block:
                     return None
                 self._cond.wait()
 
@@ -254,25 +257,95 @@ class SimulatedLink(Link):
         return f"sim:{self.bandwidth / 1e9:g}GB/s,{self.latency * 1e6:g}us"
 
 
-class CudaLink(Link):
-    """Pinned host blob → device slot on a dedicated copy stream, ordered by CUDA events."""
+class PipelinedLink(Link):
+    """A link whose copies are issued to an engine that runs them in order on its own, up to
+    ``in_flight`` at a time: the worker issues the next transfers while the oldest is still
+    moving, and only then waits for it, so consecutive copies run back to back instead of each
+    waiting for a host round trip. Transfers not issued yet stay in the priority queue (a demand
+    still jumps every queued prefetch; an issued one can no longer be cancelled). Subclasses
+    implement ``_issue`` and ``_complete``.
+
+    Args:
+        in_flight: transfers issued and not yet completed, at most (1: one at a time).
+    """
+
+    def __init__(self, in_flight: int = 2):
+        if in_flight < 1:
+            raise ValueError(f"in_flight: must be >= 1, got {in_flight}")
+        self.in_flight = in_flight
+        super().__init__()
+
+    def _run(self) -> None:
+        issued: deque[tuple[Transfer, Any]] = deque()
+        while True:
+            while len(issued) < self.in_flight:
+                transfer = self._next(block=not issued)  # wait for work only when nothing moves
+                if transfer is None:
+                    break
+                if issued:  # it lands after the ones before it on the engine
+                    ahead = issued[-1][0]
+                    transfer.started_at = max(transfer.started_at, ahead.started_at + self.estimate_s(ahead.nbytes))
+                try:
+                    issued.append((transfer, self._issue(transfer)))
+                except BaseException as exc:  # reported to the waiter, never kills the thread
+                    transfer.error = exc
+                    transfer.copied.set()
+                    transfer.done.set()
+            if not issued:
+                if self._closed:
+                    return
+                continue
+            transfer, handle = issued.popleft()
+            busy = 0.0
+            try:
+                busy = self._complete(transfer, handle)
+            except BaseException as exc:
+                transfer.error = exc
+            self.busy_s += busy
+            self.bytes_moved += transfer.nbytes
+            self.transfers += 1
+            transfer.copied.set()
+            transfer.done.set()
+
+    def _issue(self, transfer: Transfer) -> Any:
+        """Hand the copy to the engine (asynchronously); returns what ``_complete`` waits on."""
+        raise NotImplementedError
+
+    def _complete(self, transfer: Transfer, handle: Any) -> float:
+        """Block until the issued copy is done; returns the engine's busy seconds for it."""
+        raise NotImplementedError
+
+
+class CudaLink(PipelinedLink):
+    """Pinned host blob → device slot on a dedicated copy stream, ordered by CUDA events.
+
+    Each copy first makes the stream wait for the slot's last reader (``wait_for``: compute that
+    still reads the old occupant), and is timed by a pair of CUDA timing events around the copy
+    alone, so ``busy_s`` is the copy engine's time, not the time spent waiting for that reader.
+    Two copies are in flight by default (``PipelinedLink``).
+    """
 
     name = "cudalink"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, in_flight: int = 2):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        super().__init__()
+        super().__init__(in_flight)
 
-    def _move(self, transfer: Transfer) -> None:
+    def _issue(self, transfer: Transfer) -> Any:
         with torch.cuda.stream(self.stream):
             if transfer.wait_for is not None:
-                # The slot's previous occupant may still be read by queued compute kernels.
                 self.stream.wait_event(transfer.wait_for)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             transfer.dst.copy_(transfer.src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        event.synchronize()
+            end.record(self.stream)
+        return start, end
+
+    def _complete(self, transfer: Transfer, handle: Any) -> float:
+        start, end = handle
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
 
     def describe(self) -> str:
         return f"cuda:{self.device}"

@@ -42,7 +42,11 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
         parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
     if rho is not None and profile is None and clock != "virtual":
         parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
-    if cuda and clock == "wall" and profile is None and link is None:
+    through_actors = getattr(args, "address", None) is not None
+    if through_actors and isinstance(link, LinkConfig) and link.kind == "cuda":
+        parser.error("argument --link: the transfer actor moves experts over a simulated link only so far "
+                     "(sim:GBPS or a profile); cuda runs in process")
+    if cuda and clock == "wall" and profile is None and link is None and not through_actors:
         return Timing("wall", LinkConfig(kind="cuda"))
     timing = resolve_timing(args.model, clock, profile, link, rho)
     if timing.profile is not None or clock != "wall":  # a plain wall-clock run says nothing extra

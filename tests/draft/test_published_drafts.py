@@ -226,16 +226,21 @@ def test_each_format_reads_to_its_librarys_weights(kind, tmp_path) -> None:
         assert torch.equal(ours[module], weight), module
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kind", sorted(BUILDERS))
+# Every format on two families (one with a shared expert, one without), every family in one format:
+# what the reader does per format does not depend on the family, and per family not on the format.
+LOSSLESS_CASES = sorted({(k, f) for k in BUILDERS for f in ("mixtral", "qwen2_moe")} | {("autoawq", f) for f in FAMILIES})
+
+
+@pytest.mark.parametrize(("kind", "family"), LOSSLESS_CASES)
 def test_a_published_checkpoint_speculates_losslessly(kind, family, tmp_path) -> None:
     target = tiny_target(family, tmp_path / "target")
     folder, _ = BUILDERS[kind](target, tmp_path / "draft")
     tokens, want, accepted = _speculate(target, folder, window=4)
     assert tokens == want
-    # The draft follows its target (a misread one, its logits noise, would accept ~1/128 a token):
-    # on these chaotic random tiny models an int4 draft with quantized attention keeps ~1–2 of 4.
-    assert accepted >= 0.5
+    # The draft follows its target: a misread one (its logits noise) would accept ~4/128 of a token
+    # per round; on these chaotic random tiny models an int4 draft with quantized attention keeps
+    # 0.4–2 of 4, and which near-ties its bf16 matmuls break depends on the CPU's kernels.
+    assert accepted >= 0.2
 
 
 def test_a_published_draft_computes_its_dequantized_weights(tmp_path) -> None:

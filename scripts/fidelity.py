@@ -158,7 +158,8 @@ def make_draft(model_dir: Path, method: str, work: Path, args: argparse.Namespac
     from specter.draft.runner import DraftModel
 
     def load_draft(folder: Path) -> DraftModel:
-        return DraftModel.load(folder, device="cpu", mode=args.draft_mode)
+        # bf16, as a GPU runs it: the measures are of the draft the device would compute
+        return DraftModel.load(folder, device="cpu", mode=args.draft_mode, dtype=torch.bfloat16)
 
     out = work / f"{model_dir.name}-{method}"
     report_file = out / REPORT

@@ -9,8 +9,11 @@ import torch
 from specter.models.checkpoint import read_config_dict, resolve_model_dir
 
 
-def load_draft(draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto"):  # type: ignore[no-untyped-def]
-    """A ``DraftModel`` for a quantized draft folder (experts computed in ``mode``), else a ``ResidentDraft``.
+def load_draft(  # type: ignore[no-untyped-def]
+    draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto", dtype: torch.dtype | None = None,
+):
+    """A ``DraftModel`` for a quantized draft folder (experts computed in ``mode``, in ``dtype``:
+    default fp32 on a CPU), else a ``ResidentDraft``.
 
     ``auto`` times the modes on this machine, so which one runs (and, at near-ties, which draft
     token wins) can differ from run to run; the virtual clock's runs pass a fixed mode.
@@ -19,7 +22,7 @@ def load_draft(draft_dir: str | Path, device: str | torch.device | None = None, 
     if "quantization_config" in read_config_dict(folder):
         from specter.draft.runner import DraftModel
 
-        return DraftModel.load(folder, device=device, mode=mode)
+        return DraftModel.load(folder, device=device, mode=mode, dtype=dtype)
     from specter.draft.resident import ResidentDraft
 
     return ResidentDraft(folder, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))

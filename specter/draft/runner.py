@@ -119,7 +119,8 @@ class DraftModel:
 
     @classmethod
     def load(
-        cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto"
+        cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto",
+        dtype: torch.dtype | None = None,
     ) -> DraftModel:
         """Load a quantized draft: a folder written by ``specter quantize``, or a published int4
         checkpoint of the target (AutoAWQ GEMM, GPTQ, compressed-tensors; ``format.published``).
@@ -128,8 +129,14 @@ class DraftModel:
             draft_dir: the draft folder (config.json with ``quantization_config``, safetensors).
             device: ``cpu``/``cuda``; default cuda when available.
             mode: ``auto`` | ``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly``.
+            dtype: compute dtype; default fp32 on a CPU, the checkpoint's on a GPU. The stored
+                weights (int4 codes and their scales, bf16 dense parts) are the same either way,
+                and fp32 holds each exactly; on a CPU bf16 matmuls cost more (a ``moe-fine-awq``
+                decode step, one thread: 6.87 ms in bf16, 4.75 ms in fp32, ``docs/draft.md``).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None and device.type == "cpu":
+            dtype = torch.float32
         config = read_config_dict(resolve_model_dir(draft_dir))
         qconfig = config.get("quantization_config")
         if not isinstance(qconfig, dict):
@@ -149,7 +156,7 @@ class DraftModel:
             for m in dense
         }
         skip = frozenset(f"{m}.{part}" for m in modules for part in scheme.parts)
-        loaded = build_dense(draft_dir, replace=replace, skip=skip, checkpoint=checkpoint)
+        loaded = build_dense(draft_dir, dtype, replace=replace, skip=skip, checkpoint=checkpoint)
         experts, packed_bytes = read_experts(loaded, scheme)
         timings: dict[str, float] = {}
         if mode == "auto":

@@ -1,8 +1,10 @@
 """What one draft step costs on this CPU's wall clock, against the target's all-resident decode step.
 
     python scripts/draft_cost.py --threads 1,2 --num-prompts 3 --new-tokens 64
+    python scripts/draft_cost.py --threads 1 --dtypes bfloat16,float32   # the draft's compute dtype
 
-Per torch thread count (interleaved by prompt, so load drifts hit every setting alike):
+Per torch thread count and draft compute dtype (interleaved by prompt, so load drifts hit every
+setting alike):
 
 * ``target step`` — the target's all-resident decode step as the bench measures it (TPOT of a
   request with every expert in a slot and no link);
@@ -106,12 +108,19 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts to compare")
     parser.add_argument("--mode", default="dequant-cache", help="the draft's expert mode")
+    parser.add_argument("--dtypes", default="float32",
+                        help="the draft's compute dtypes to compare (float32 is its default on a CPU)")
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
+    if bad:
+        parser.error(f"--dtypes: not torch dtypes: {', '.join(bad)}")
+    settings = [(t, d) for t in threads for d in dtypes]
     prompts = load_prompts(args.model, None, args.num_prompts)
-    draft = load_draft(args.model + "-awq", mode=args.mode)
+    drafts = {d: load_draft(args.model + "-awq", mode=args.mode, dtype=getattr(torch, d)) for d in dtypes}
     config = BenchConfig(args.model, args.model + "-awq", prompts, [args.profile], ["specter+fixed"],
                          {}, new_tokens=args.new_tokens, budget=args.budget)
     torch.set_num_threads(1)
@@ -119,25 +128,25 @@ def main() -> int:
     timing = resolve_timing(args.model, "wall", args.profile, step_s=step_1)  # one link for every setting
     print(f"{args.profile} link at budget {args.budget:.0%}, K {args.window}, {args.mode}: {timing.describe()}")
     resident = OffloadedTarget.load(args.model, SlotConfig(fraction=1.0), LinkConfig(bandwidth=1e15, latency=0.0))
-    rows: dict[int, dict[str, list[float]]] = {t: defaultdict(list) for t in threads}
+    rows: dict[tuple[int, str], dict[str, list[float]]] = {s: defaultdict(list) for s in settings}
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        for t in threads if i % 2 == 0 else threads[::-1]:
+        for t, d in settings if i % 2 == 0 else settings[::-1]:
             torch.set_num_threads(t)
-            rows[t]["target step"].append(resident_step_s(args.model, prompt)[0])
-            rows[t]["target fwd"].append(isolated_forward_s(resident, prompt))
-            rows[t]["draft fwd"].append(isolated_forward_s(draft, prompt))
-            for name, value in in_round(config, timing, draft, prompt, args.window).items():
-                rows[t][name].append(value)
+            rows[(t, d)]["target step"].append(resident_step_s(args.model, prompt)[0])
+            rows[(t, d)]["target fwd"].append(isolated_forward_s(resident, prompt))
+            rows[(t, d)]["draft fwd"].append(isolated_forward_s(drafts[d], prompt))
+            for name, value in in_round(config, timing, drafts[d], prompt, args.window).items():
+                rows[(t, d)][name].append(value)
         print(f"  prompt {i + 1}/{len(prompts)} ({time.perf_counter() - t0:.0f}s)", flush=True)
     resident.close()
     columns = ["target step", "target fwd", "draft fwd", "in round", "forward", "plan delta", "on_plan", "tpot"]
-    print("\n| threads | " + " | ".join(f"{c} ms" for c in columns) + " | in round / target step |")
-    print("| ---: |" + " ---: |" * (len(columns) + 1))
-    for t in threads:
-        med = {c: statistics.median(rows[t][c]) for c in columns}
+    print("\n| threads | draft dtype | " + " | ".join(f"{c} ms" for c in columns) + " | in round / target step |")
+    print("| ---: | --- |" + " ---: |" * (len(columns) + 1))
+    for t, d in settings:
+        med = {c: statistics.median(rows[(t, d)][c]) for c in columns}
         cells = " | ".join(f"{med[c] * 1e3:.2f}" for c in columns)
-        print(f"| {t} | {cells} | {med['in round'] / med['target step']:.2f}x |")
+        print(f"| {t} | {d} | {cells} | {med['in round'] / med['target step']:.2f}x |")
     return 0
 
 

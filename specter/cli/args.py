@@ -164,7 +164,8 @@ def _add_timing(command: argparse.ArgumentParser) -> None:
     command.add_argument("--clock", choices=CLOCKS, default="wall",
                          help="wall: real time (default); virtual: compute charged from the profile's GPU cost "
                               "model, link and host as discrete events, nothing sleeps (docs/benchmark.md); "
-                              "measured: virtual link and host, compute at its measured CPU time")
+                              "measured: virtual link and host, compute at its measured CPU time (it idles through its "
+                              "waits, uncounted, so it takes about as long as the wall clock)")
     command.add_argument("--profile", type=_profile_name, default=None,
                          help="a named profile's link and host (on the virtual clock also its GPU's proportions), "
                               "docs/profiles.md; default on the virtual clock: the one of the model's family")
@@ -252,7 +253,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--clock", choices=("virtual", "wall", "measured"), default="virtual",
                        help="virtual (default): compute charged from each profile's GPU cost model, nothing "
                             "sleeps, the same ratios on any machine; wall: real time (the actors column); "
-                            "measured: virtual link and host, compute at its measured CPU time")
+                            "measured: virtual link and host, compute at its measured CPU time (it idles through its "
+                            "waits, uncounted, so it takes about as long as the wall clock)")
     bench.add_argument("--rho", type=_positive, default=None,
                        help="set every profile's link so that the offload pressure is R (default: the profile's)")
     bench.add_argument("--draft-mode", choices=("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly"),

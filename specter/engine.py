@@ -23,7 +23,7 @@ from specter.bound import Trace, lower_bound
 from specter.config import SamplingConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.routing import Routing
-from specter.proposer import Draft, LocalProposer, PipelinedProposer, Proposer
+from specter.proposer import Draft, IdleProposer, LocalProposer, PipelinedProposer, Proposer
 from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
@@ -67,14 +67,17 @@ class Engine:
             check_draft_matches(draft.model.config.to_dict(), target.model.config.to_dict())
         self.target = target
         self.draft = draft if window > 0 else None
+        pipelined = pipelined or target.offload.policy.pipelined  # the policy's ``+pipe``
         if window > 0 and proposer is None:
             assert draft is not None
-            proposer = LocalProposer(draft, target.clock)
+            proposer = IdleProposer(draft, target.clock) if pipelined else LocalProposer(draft, target.clock)
         self.proposer = proposer if window > 0 else None
         if pipelined and self.proposer is not None and not getattr(self.proposer, "pipelined", False):
-            raise ValueError("pipelined: drafting a round ahead needs the draft in its own process (the actors); "
-                             f"{type(self.proposer).__name__} drafts in this one")
+            raise ValueError("pipelined: drafting a round ahead needs a proposer that can (the actors', or "
+                             f"specter.proposer.IdleProposer in process); {type(self.proposer).__name__} cannot")
         self.pipelined = pipelined and self.proposer is not None
+        # In process, the draft drafts ahead in the verify pass's waits (IdleProposer.idle).
+        target.offload.on_idle = getattr(self.proposer, "idle", None) if self.pipelined else None
         self.window = window
         self.clock = target.clock
         self.policy = target.offload.policy
@@ -123,7 +126,8 @@ class Engine:
         self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
         costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
-        trace = self.target.offload.start_trace() if costs is not None else None
+        # (not pipelined: a round drafted in the verify pass's waits overlaps what the bound adds up)
+        trace = self.target.offload.start_trace() if costs is not None and not self.pipelined else None
         draft_mark = getattr(self.clock, "draft_charged", 0.0)
         round_id = 0
         chooser = self.policy.window_chooser() if self.proposer is not None else None

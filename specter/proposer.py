@@ -9,6 +9,7 @@ transfers start while the draft is still drafting.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -134,18 +135,22 @@ class LocalProposer:
                 return drafts, qs
             logits = self._forward(pending)[0, -1]
             on_plan(plan_delta(round_id, step, self.draft.last_routing))
-            if self.sampling.greedy:
-                token = int(torch.argmax(logits))
-            else:
-                q = probabilities(logits, self.sampling)
-                token = int(torch.multinomial(q.cpu(), 1, generator=self.gen))
-                qs.append(q.cpu())
+            token = self._choose(logits, qs)
             drafts.append(token)
             pending = [token]
         if route_last and drafts:
             self._forward(pending)
             on_plan(plan_delta(round_id, k, self.draft.last_routing))
         return drafts, qs
+
+    def _choose(self, logits: torch.Tensor, qs: list[torch.Tensor]) -> int:
+        """The draft token from a step's logits (greedy, or drawn from the draft's generator with
+        its distribution appended to ``qs``)."""
+        if self.sampling.greedy:
+            return int(torch.argmax(logits))
+        q = probabilities(logits, self.sampling)
+        qs.append(q.cpu())
+        return int(torch.multinomial(q.cpu(), 1, generator=self.gen))
 
     def guess(self, drafts: list[int], routed_last: bool) -> tuple[int, list[int]]:
         """The draft's own guess of the target's next token after a round that drafted ``drafts``
@@ -187,3 +192,150 @@ class LocalProposer:
         self.cached = min(self.cached, length)
         if self.cache is not None:
             crop_cache(self.cache, self.cached)
+
+
+@dataclass
+class _Ahead:
+    """The next round, drafted optimistically while this one is verified."""
+
+    round: int
+    k: int
+    after: list[int]  # the drafts of the round it follows (its guess comes from their last)
+    cached: int  # the draft cache's length before it (to undo it)
+    gen_state: torch.Tensor  # the draft generator's state before it
+    bonus: int | None = None  # the draft's guess of the target's next token (once guessed)
+    pending: list[int] = field(default_factory=list)  # what its next step feeds
+    drafts: list[int] = field(default_factory=list)
+    qs: list[torch.Tensor] = field(default_factory=list)
+    deltas: list[PlanDelta] = field(default_factory=list)  # held until the round stands
+
+
+class IdleProposer(LocalProposer):
+    """A ``LocalProposer`` that drafts the next round in the verify pass's idle time.
+
+    One device, one thread: while the verify pass waits for a transfer or for the host
+    (``OffloadedExperts.on_idle``), the draft drafts round r+1 as if every draft token of round r
+    were accepted and the target's next token were the draft's own guess — the actors' pipelined
+    drafting (``specter/remote/draft_server.py``), in the gaps of the verify pass instead of in
+    another process. A step runs only when the wait ahead is at least a draft step long (so it
+    delays the pass by no more than its own jitter). The round stands when all of round r was
+    accepted and the guess was right; its plan deltas reach the policy only then, and the steps
+    the gaps did not cover are drafted when it is taken. A round that does not stand is undone
+    (cache and generator), so output is exactly the unpipelined engine's (greedy and sampled:
+    the draft's generator draws what it would have).
+    """
+
+    pipelined = True
+
+    def __init__(self, draft: Draft, clock: WallClock | None = None):
+        super().__init__(draft, clock)
+        self._open: _Ahead | None = None
+        self._keep: int | None = None  # a rollback asked for while a round was open
+        self.step_s: float | None = None  # a draft step's clock seconds, EMA
+        self.stand_rate = 0.5  # how often a round drafted ahead (and begun) stood, EMA
+        self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
+        self.ahead_steps = 0  # draft steps taken in idle time
+
+    def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        self._open, self._keep = None, None
+        self.ahead_asked = self.ahead_kept = self.ahead_dropped = self.ahead_steps = 0
+        super().prefill(prompt_ids, sampling)
+
+    def propose(  # type: ignore[override]
+        self, round_id: int, seq: list[int], k: int, on_plan: OnPlan, route_last: bool, ahead: int = 0
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        self._throw()
+        t0 = self.clock.now()
+        drafts, qs = super().propose(round_id, seq, k, on_plan, route_last)
+        if drafts:
+            self._time_step((self.clock.now() - t0) / len(drafts))
+        self._open_next(round_id + 1, ahead, drafts, route_last)
+        return drafts, qs
+
+    def idle(self, seconds: float) -> None:
+        """The verify pass is about to wait ``seconds``: draft ahead while a step pays.
+
+        One device, so a step that outlasts the wait delays the pass by the difference; it saves a
+        whole step later only if the round stands. So a step runs when the wait covers at least the
+        part of it that is lost in expectation: ``seconds >= (1 - P(stand)) × step``, with
+        P(stand) measured over the rounds drafted ahead so far (prior one half).
+        """
+        opened = self._open
+        while (opened is not None and len(opened.drafts) < opened.k and self.step_s is not None
+               and seconds >= (1.0 - self.stand_rate) * self.step_s):
+            t0 = self.clock.now()
+            self._step(opened, hold=True)
+            spent = self.clock.now() - t0
+            self.ahead_steps += 1
+            self._time_step(spent)
+            seconds -= spent
+
+    def rollback(self, length: int) -> None:
+        """As ``LocalProposer.rollback``; while a round drafted ahead is open, only once it is judged."""
+        if self._open is not None:
+            self._keep = length if self._keep is None else min(self._keep, length)
+            return
+        super().rollback(length)
+
+    def ahead_stands(self, all_accepted: bool, token: int) -> bool:
+        opened = self._open
+        stands = opened is not None and opened.bonus is not None and all_accepted and token == opened.bonus
+        if opened is not None and opened.bonus is not None:  # begun: it teaches how often one stands
+            self.stand_rate = 0.2 * stands + 0.8 * self.stand_rate
+        if not stands:
+            self._throw()
+        keep, self._keep = self._keep, None
+        if keep is not None and not stands:
+            super().rollback(keep)
+        return stands
+
+    def take_ahead(
+        self, round_id: int, seq: list[int], on_plans: OnPlans, ahead: int = 0
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        opened = self._open
+        assert opened is not None and opened.round == round_id, "take_ahead() after ahead_stands()"
+        self.ahead_kept += 1
+        if opened.deltas:
+            on_plans(opened.deltas)
+        t0, steps = self.clock.now(), len(opened.drafts)
+        while len(opened.drafts) < opened.k:  # the steps no gap covered, each streamed at once
+            on_plans([self._step(opened, hold=False)])
+        if len(opened.drafts) > steps:
+            self._time_step((self.clock.now() - t0) / (len(opened.drafts) - steps))
+        self._open = None
+        self._open_next(round_id + 1, ahead, opened.drafts, False)
+        return opened.drafts, opened.qs
+
+    def _open_next(self, round_id: int, k: int, after: list[int], route_last: bool) -> None:
+        if k and after and not route_last:  # route_last rounds are not drafted ahead
+            self._open = _Ahead(round_id, k, after, self.cached, self.gen.get_state())
+            self.ahead_asked += 1
+
+    def _step(self, opened: _Ahead, hold: bool) -> PlanDelta:
+        if opened.bonus is None:  # guess() rolls its own forward back: not a rollback to defer
+            self._open = None
+            try:
+                opened.bonus, opened.pending = self.guess(opened.after, False)
+            finally:
+                self._open = opened
+        logits = self._forward(opened.pending)[0, -1]
+        delta = plan_delta(opened.round, len(opened.drafts), self.draft.last_routing)
+        token = self._choose(logits, opened.qs)
+        opened.drafts.append(token)
+        opened.pending = [token]
+        if hold:
+            opened.deltas.append(delta)
+        return delta
+
+    def _throw(self) -> None:
+        """Undo the open round: its cache positions and its generator draws."""
+        opened, self._open = self._open, None
+        if opened is None:
+            return
+        self.ahead_dropped += len(opened.deltas)
+        crop_cache(self.cache, opened.cached) if self.cache is not None else None
+        self.cached = min(self.cached, opened.cached)
+        self.gen.set_state(opened.gen_state)
+
+    def _time_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.25 * seconds + 0.75 * self.step_s

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=None,
                      help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
                           "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
-    _add_pipeline(gen, "with --address; ")
+    _add_pipeline(gen)
     gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
     _add_batch(commands)
@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_pipeline(command: argparse.ArgumentParser, when: str = "") -> None:
     command.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
-                         help=f"{when}the draft actor drafts each next round while this one is verified "
-                              "(default: on through the actors; docs/actors.md)")
+                         help=f"{when}the next round is drafted while this one is verified: by the draft actor "
+                              "(default on through the actors; docs/actors.md), or in process in the verify pass's "
+                              "waits (default off; the policy option +pipe does the same)")
 
 
 def _profile_name(text: str) -> str:

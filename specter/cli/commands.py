@@ -138,8 +138,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --prompt: must not be empty")
     if args.address is not None and args.device_memory is not None:
         parser.error("argument --device-memory: not available with --address yet; use --budget")
-    if args.address is None and args.pipeline:
-        parser.error("argument --pipeline: drafting ahead needs the draft in its own process; add --address local")
     if args.address is None:
         torch.set_num_threads(compute_threads(args.threads))
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -208,7 +206,7 @@ def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore
     try:
         tokenizer = target.tokenizer
         prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
-        engine = Engine(target, draft, window)
+        engine = Engine(target, draft, window, pipelined=bool(args.pipeline))
         tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model))
     finally:
         target.close()

@@ -16,6 +16,7 @@ store blob instead, while the device runs the rest; the layer ends when both are
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ class OffloadedExperts:
         self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
         self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
         self.trace: Trace | None = None  # when set, each layer's routing is recorded (the bound)
+        # Called with the seconds a wait ahead will last, before the pass waits for a transfer or the
+        # host (the in-process pipelined draft drafts in that time: ``specter.proposer.IdleProposer``).
+        self.on_idle: Callable[[float], None] | None = None
         self.on_cuda = pool.device.type == "cuda"
         self.host: HostCompute | None = default_host(link, store.shape, self.on_cuda, self.clock)
         policy.bind(self)
@@ -86,6 +90,11 @@ class OffloadedExperts:
         if transfer is None:
             return
         self.link.promote(transfer)
+        if self.on_idle is not None:
+            now = self.clock.now()
+            landing = self.link.landing(transfer, now)
+            if landing is not None and landing > now:
+                self.on_idle(landing - now)
         self.counters.wait_s += self.link.wait(transfer, self.timeout)
         self.pool.finish_loading(key)
 
@@ -252,6 +261,8 @@ class OffloadedExperts:
         (behind every demand transfer)."""
         assert self.host is not None
         if getattr(self.link, "timed", True):
+            if self.on_idle is not None and self.host.free_at > (now := self.clock.now()):
+                self.on_idle(self.host.free_at - now)
             self.host.finish()
         if not (self.policy.fetch_after_host or (self.policy.fetch_when_idle and self._link_idle())):
             return

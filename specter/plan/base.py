@@ -49,6 +49,7 @@ class Policy:
     fetch_when_idle = False  # ... but only when the link is idle as the layer ends
     value_order = False  # prefetch only the predicted experts worth their slot and link time (specter)
     adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
+    pipelined = False  # ``+pipe``: the next round is drafted while this one is verified (``Engine``)
 
     def __init__(self) -> None:
         self.offload: Offload | None = None

@@ -217,8 +217,8 @@ class IdleProposer(LocalProposer):
     (``OffloadedExperts.on_idle``), the draft drafts round r+1 as if every draft token of round r
     were accepted and the target's next token were the draft's own guess — the actors' pipelined
     drafting (``specter/remote/draft_server.py``), in the gaps of the verify pass instead of in
-    another process. A step runs only when the wait ahead is at least a draft step long (so it
-    delays the pass by no more than its own jitter). The round stands when all of round r was
+    another process. A step runs when the wait ahead covers the part of it lost in expectation
+    (``idle``). The round stands when all of round r was
     accepted and the guess was right; its plan deltas reach the policy only then, and the steps
     the gaps did not cover are drafted when it is taken. A round that does not stand is undone
     (cache and generator), so output is exactly the unpipelined engine's (greedy and sampled:
@@ -233,8 +233,10 @@ class IdleProposer(LocalProposer):
         self._keep: int | None = None  # a rollback asked for while a round was open
         self.step_s: float | None = None  # a draft step's clock seconds, EMA
         self.stand_rate = 0.5  # how often a round drafted ahead (and begun) stood, EMA
+        # rounds opened ahead (a round no wait began is opened and never stands), of them stood,
+        # plan deltas of thrown-away ones; draft steps taken in waits
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
-        self.ahead_steps = 0  # draft steps taken in idle time
+        self.ahead_steps = 0
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         self._open, self._keep = None, None
@@ -333,7 +335,8 @@ class IdleProposer(LocalProposer):
         if opened is None:
             return
         self.ahead_dropped += len(opened.deltas)
-        crop_cache(self.cache, opened.cached) if self.cache is not None else None
+        if self.cache is not None:
+            crop_cache(self.cache, opened.cached)
         self.cached = min(self.cached, opened.cached)
         self.gen.set_state(opened.gen_state)
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
+from specter.proposer import IdleProposer, LocalProposer
 from specter.protocol import AheadKeep, AheadStart, DraftTokens, PlanDelta, ProposeRequest, StartRequest
 from specter.remote.channel import Channel
 from specter.remote.draft_server import DraftServer
@@ -108,12 +109,15 @@ def test_pipelined_sampling_draws_what_the_in_process_engine_draws(setup, seed):
     assert stats.extra["ahead_asked"] > 0
 
 
-def test_a_local_draft_cannot_pipeline(setup):
+def test_a_local_draft_pipelines_in_the_waits_and_a_proposer_that_cannot_is_refused(setup):
+    """In process a local draft drafts ahead in the verify pass's waits (``IdleProposer``,
+    ``tests/test_pipelined_in_process.py``); a proposer with no way to draft ahead is refused."""
     folder, _, noisy = setup
     target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy="specter")
     try:
-        with pytest.raises(ValueError, match="pipelined: .*own process"):
-            Engine(target, noisy, 4, pipelined=True)
+        assert isinstance(Engine(target, noisy, 4, pipelined=True).proposer, IdleProposer)
+        with pytest.raises(ValueError, match="pipelined: .*LocalProposer cannot"):
+            Engine(target, noisy, 4, proposer=LocalProposer(noisy), pipelined=True)
     finally:
         target.close()
 

@@ -3,8 +3,9 @@
 With no draft (or K = 0) a round is one plain decode step of the target, which is how the
 ``demand-lru`` and ``gate-prefetch`` baselines run.
 
-``pipelined`` (a draft in its own process: the actors' ``RemoteProposer``): each round also asks
-the draft to draft the next round at once, while this one is verified, as if every draft token
+``pipelined`` (a draft in its own process, the actors' ``RemoteProposer``, or in this one drafting
+in the verify pass's waits, ``IdleProposer``; the policy option ``+pipe`` turns it on): each round
+also asks the draft to draft the next round while this one is verified, as if every draft token
 were accepted and the target's next token were the draft's own guess. When that is what happened
 the next round's draft is ready (or nearly) as its round starts; otherwise it is thrown away and
 drafted as usual. The next round's K is then chosen one round early. Tokens are the same either

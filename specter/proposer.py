@@ -193,6 +193,12 @@ class LocalProposer:
         if self.cache is not None:
             crop_cache(self.cache, self.cached)
 
+    def restore(self, cached: int, gen_state: torch.Tensor) -> None:
+        """Back to where a round drafted ahead started: the cache cropped to ``cached`` positions,
+        the generator at ``gen_state`` (the round's draws undone)."""
+        self.rollback(cached)
+        self.gen.set_state(gen_state)
+
 
 @dataclass
 class _Ahead:
@@ -335,10 +341,7 @@ class IdleProposer(LocalProposer):
         if opened is None:
             return
         self.ahead_dropped += len(opened.deltas)
-        if self.cache is not None:
-            crop_cache(self.cache, opened.cached)
-        self.cached = min(self.cached, opened.cached)
-        self.gen.set_state(opened.gen_state)
+        self.restore(opened.cached, opened.gen_state)  # no round is open now: rollback acts at once
 
     def _time_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.25 * seconds + 0.75 * self.step_s

@@ -55,10 +55,11 @@ class Transfer:
     done: threading.Event = field(default_factory=threading.Event, repr=False)
     copied: threading.Event = field(default_factory=threading.Event, repr=False)  # bytes in the slot
 
-    def wait(self, timeout: float) -> float:
-        """Block until the blob is in its slot; returns the seconds waited."""
+    def wait(self, timeout: float, copied: bool = False) -> float:
+        """Block until the transfer has landed (``copied``: until its bytes are in the slot, which a
+        simulated link's waiter then holds to the due time itself); returns the seconds waited."""
         t0 = time.perf_counter()
-        if not self.done.wait(timeout):
+        if not (self.copied if copied else self.done).wait(timeout):
             raise LinkError(f"transfer of expert {self.key} into slot {self.slot} did not finish in {timeout:.1f}s")
         if self.error is not None:
             raise LinkError(f"transfer of expert {self.key} failed: {self.error}") from self.error
@@ -171,13 +172,17 @@ class Link:
                 busy = self._move(transfer)
             except BaseException as exc:  # reported to the waiter, never kills the thread
                 transfer.error = exc
-            self.busy_s += busy if busy is not None else time.perf_counter() - t0
-            self.bytes_moved += transfer.nbytes
-            self.transfers += 1
+            self._count(transfer, busy if busy is not None else time.perf_counter() - t0)
             transfer.copied.set()
             if transfer.error is None:
                 self._land(transfer)
             transfer.done.set()
+
+    def _count(self, transfer: Transfer, busy: float) -> None:
+        """One finished transfer in the link's counters."""
+        self.busy_s += busy
+        self.bytes_moved += transfer.nbytes
+        self.transfers += 1
 
     def _move(self, transfer: Transfer) -> float | None:
         """Move one blob; returns the link's busy seconds for it (None: the time the call took)."""
@@ -220,12 +225,7 @@ class SimulatedLink(Link):
         with a thread (a DMA engine's completion needs no interpreter lock), and a link thread that
         spins to be on time takes the lock from the compute thread (``docs/benchmark.md``)."""
         t0 = time.perf_counter()
-        if not transfer.copied.wait(timeout):
-            raise LinkError(
-                f"transfer of expert {transfer.key} into slot {transfer.slot} did not finish in {timeout:.1f}s"
-            )
-        if transfer.error is not None:
-            raise LinkError(f"transfer of expert {transfer.key} failed: {transfer.error}") from transfer.error
+        transfer.wait(timeout, copied=True)
         _WALL.wait_until(transfer.due)
         return time.perf_counter() - t0
 
@@ -301,9 +301,7 @@ class PipelinedLink(Link):
                 busy = self._complete(transfer, handle)
             except BaseException as exc:
                 transfer.error = exc
-            self.busy_s += busy
-            self.bytes_moved += transfer.nbytes
-            self.transfers += 1
+            self._count(transfer, busy)
             transfer.copied.set()
             transfer.done.set()
 

@@ -190,8 +190,7 @@ class DraftServer:
         """Undo an optimistic round: its cache positions and its generator draws."""
         self.ahead_thrown += 1
         self.ahead_steps_thrown += len(opened.drafts)
-        self.proposer.rollback(opened.cached)
-        self.proposer.gen.set_state(opened.gen_state)
+        self.proposer.restore(opened.cached, opened.gen_state)
         self._open = None
 
 

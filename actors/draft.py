@@ -38,6 +38,7 @@ class DraftActor:
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
         self.channel: Channel | None = None
+        self.plans: Channel | None = None  # push to the transfer actor (its schedule runs on the plans)
         self.server: DraftServer | None = None
         self._stop = threading.Event()  # the actor's lifetime: the round loop and the metrics thread
         self._pause = threading.Event()  # the round loop only (``serving_paused``)
@@ -54,6 +55,14 @@ class DraftActor:
         self._thread.start()
         threading.Thread(target=self._publish, name="specter-draft-metrics", daemon=True).start()
         return self.channel.address
+
+    def connect_plans(self, endpoint: str) -> None:
+        """Send each plan delta to the transfer actor's socket at ``endpoint`` too (after ``bind``)."""
+        assert self.server is not None, "bind() first"
+        channel = Channel("push", endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
+        channel.handshake("draft", self.handshake_timeout_s)
+        self.plans = channel
+        self.server.plans = channel
 
     def wire_counters(self) -> dict[str, Any]:
         """Frames received on the pair socket, dropped per reason, refused per reason."""
@@ -93,6 +102,8 @@ class DraftActor:
             self._thread.join(timeout=5)
         if self.channel is not None:
             self.channel.close()
+        if self.plans is not None:
+            self.plans.close()
 
     def _publish(self, every_s: float = 1.0) -> None:
         last = 0

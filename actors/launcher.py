@@ -150,7 +150,8 @@ def launch(
     try:
         _wire(handle, timeout_s, startup_timeout_s)
         if sealed:
-            ray.get(handle.transfer.seal.remote(startup_timeout_s), timeout=startup_timeout_s + 10)
+            peers = ("verifier", "draft") if handle.draft is not None else ("verifier",)
+            ray.get(handle.transfer.seal.remote(startup_timeout_s, peers), timeout=startup_timeout_s + 10)
     except BaseException:
         handle.shutdown()
         raise
@@ -179,6 +180,7 @@ def _wire(handle: EngineHandle, timeout_s: float, startup_s: float) -> None:
     if handle.draft is not None:
         wanted = endpoint("ipc", "draft", directory=info["ipc_dir"])
         draft_endpoint = ray.get(handle.draft.bind.remote(wanted, startup_s), timeout=startup_s)
+        ray.get(handle.draft.connect_plans.remote(info["endpoint"]), timeout=startup_s)
     slots = ray.get(
         handle.verifier.connect.remote(info["slots"], info["endpoint"], draft_endpoint), timeout=startup_s
     )

@@ -31,6 +31,7 @@ from specter.models.loader import build_dense, load_store
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
 from specter.remote.endpoints import private_ipc_dir
+from specter.remote.residency import SharedIndex
 from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots
@@ -66,17 +67,20 @@ class TransferActor:
         numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
         self.arena = SharedArena.create(store_name(self.prefix), numel, loaded.shape.dtype)
         self.store = load_store(loaded, arena=self.arena.tensor)
-        num_slots = sum(slot_groups(budget, loaded).values())
+        groups = slot_groups(budget, loaded)
+        num_slots = sum(groups.values())
         del loaded  # the dense parts are the verifier's; only the blobs stay here
         self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype)
         self.shared_counters = SharedCounters(self.prefix, create=True)
+        self.index = SharedIndex(self.prefix, max(self.store.layers) + 1, self.store.num_experts, create=True)
         self.ipc = private_ipc_dir()
         self.channel = Channel("pull", self.ipc.endpoint("transfer"), bind=True, peer="verifier")
-        self.server = TransferServer(self.store, self.slots, self.shared_counters, link, self.channel)
+        self.server = TransferServer(self.store, self.slots, self.shared_counters, link, self.channel, self.index,
+                                     groups, timeout_s)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
         self._stop = threading.Event()
-        self._handshaken = threading.Event()  # the verifier's Hello arrived: its socket is connected
+        self._first: str | None = None  # the role of the first peer's Hello (the pull socket's handshake)
         self._thread: threading.Thread | None = None
         log.info("transfer: %d experts in host memory, %d shared slots (%s)", len(self.store.layers)
                  * self.store.num_experts, num_slots, self.prefix)
@@ -101,17 +105,25 @@ class TransferActor:
             self._thread.start()
             threading.Thread(target=self._publish, name="specter-transfer-metrics", daemon=True).start()
 
-    def seal(self, timeout_s: float) -> None:
-        """Once the verifier is connected, remove the names of the shared memory and the ipc
-        directory (nothing else can attach or connect afterwards; nothing outlives a crash).
+    def peers(self) -> list[str]:
+        """The roles connected to the command socket so far (``verifier``, and ``draft`` for its plans)."""
+        return ([self._first] if self._first else []) + list(self.server.peers)
+
+    def seal(self, timeout_s: float, roles: tuple[str, ...] = ("verifier",)) -> None:
+        """Once the peers in ``roles`` are connected, remove the names of the shared memory and the
+        ipc directory (nothing else can attach or connect afterwards; nothing outlives a crash).
 
         Raises:
-            TimeoutError: the verifier's handshake did not arrive within ``timeout_s``.
+            TimeoutError: a handshake of ``roles`` did not arrive within ``timeout_s``.
         """
-        if not self._handshaken.wait(timeout_s):
-            raise TimeoutError(f"transfer: no verifier handshake within {timeout_s:.0f}s; not sealed")
+        deadline = time.monotonic() + timeout_s
+        while missing := set(roles) - set(self.peers()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer: no handshake from {sorted(missing)} within {timeout_s:.0f}s; not sealed")
+            time.sleep(0.01)
         self.slots.unlink()
         self.shared_counters.unlink()
+        self.index.unlink()
         self.arena.unlink()
         self.ipc.cleanup()
         log.info("transfer: sealed %s (shared memory and ipc directory unlinked, still mapped)", self.prefix)
@@ -142,6 +154,7 @@ class TransferActor:
         self.slots.close()
         self.slots.unlink()
         self.shared_counters.close()
+        self.index.close()
         del self.store  # its blob views hold the arena's mapping
         self.arena.close()
         return unlink_prefix(self.prefix)
@@ -161,8 +174,8 @@ class TransferActor:
 
     def _serve(self) -> None:
         try:
-            self.channel.handshake("transfer", self.handshake_timeout_s)
-            self._handshaken.set()
+            hello = self.channel.handshake("transfer", self.handshake_timeout_s)
+            self._first = hello.role if hello is not None else "?"
             self.server.serve(self._stop)
         except Exception:
             log.exception("transfer: the command loop stopped")

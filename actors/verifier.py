@@ -1,7 +1,12 @@
-"""VerifierActor: the target's dense parts, the slot pool's residency map, policies, the round.
+"""VerifierActor: the target's dense parts and the round; the schedule runs in the transfer actor.
 
-Its slot pool's storage is the transfer actor's ``SharedSlots``; its link is a ``RemoteLink``
-(commands over ZeroMQ, readiness from the seq table). It maps the transfer actor's host store
+Its slot pool's storage is the transfer actor's ``SharedSlots``. By default (``schedule="transfer"``)
+the residency map and the policy live in the transfer actor (``specter/remote/scheduler.py``): this
+side tells it the round and, per MoE layer, what the pass needs (``ScheduledExperts``, through a
+``RemotePolicy``), and reads where each expert is from the shared index and the seq table. With
+``schedule="verifier"`` — and always for a policy that reads the target's hidden states
+(``gate-prefetch``) — the residency map and the policy are here and the link is a ``RemoteLink``
+(copy commands over ZeroMQ, readiness from the seq table). It maps the transfer actor's host store
 read-only, so a policy with host compute computes a late expert here, from the same blob, exactly
 as in process (``specter/remote/shared_store.py`` says why here and not in the transfer actor). With a draft actor, the engine's proposer
 is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
@@ -25,12 +30,14 @@ from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import make_policy
-from specter.protocol import Shutdown
+from specter.protocol import Shutdown, UsePolicy
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
-from specter.remote.experts import RemoteExperts
+from specter.remote.experts import RemoteExperts, ScheduledExperts
 from specter.remote.link import RemoteLink
+from specter.remote.policy import RemotePolicy
 from specter.remote.proposer import RemoteProposer
+from specter.remote.residency import SharedIndex
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots, SlotsHandle
 from specter.target import OffloadedTarget, slot_groups
@@ -39,6 +46,7 @@ from specter.timing.profiles import simulated_host
 log = logging.getLogger(__name__)
 
 PIPELINED = True  # a request's default: see docs/actors.md, "Pipelined drafting"
+SCHEDULES = ("transfer", "verifier")  # where the policy's schedule runs
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
@@ -56,11 +64,16 @@ class VerifierActor:
         replica: the replica's name (metric tags).
         link: the transfer actor's link (a simulated link's rate sets the simulated host's).
         host_profile: the profile whose host computes late experts (None: the default, as in process).
+        schedule: where the policy's schedule runs: ``transfer`` (next to the copies; a policy that
+            reads the target's hidden states still runs here) or ``verifier``.
     """
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = "",
-                 link: LinkConfig | None = None, host_profile: str | None = None):
+                 link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         setup_process()
+        self.schedule = schedule
         self.metrics = Recorder(replica, "verifier")
         self.model_dir, self.budget, self.policy_name, self.timeout_s = model_dir, budget, policy, timeout_s
         self.link_config, self.host_profile = link or LinkConfig(), host_profile
@@ -82,6 +95,7 @@ class VerifierActor:
         loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
         numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
         self.arena = SharedArena.map_readonly(store_name(handle.prefix), numel, loaded.shape.dtype)
+        self.index = SharedIndex(handle.prefix, max(loaded.moe_layers) + 1, loaded.num_experts, create=False)
         link_channel = Channel("push", transfer_endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
         self.channels.append(link_channel)
         link_channel.handshake("verifier")
@@ -98,15 +112,23 @@ class VerifierActor:
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
         eos_token_id: int | None = None, untimed_prefill: bool = False, pipelined: bool = PIPELINED,
+        schedule: str | None = None,
     ) -> dict[str, Any]:
         """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
 
         ``pipelined``: the draft drafts each next round while this one is verified (``specter/engine.py``).
-        Its figures go to the replica's metrics; a request that raises counts as an error.
+        ``schedule``: where the policy's schedule runs from this request on (``transfer`` or
+        ``verifier``; None: as before). Its figures go to the replica's metrics; a request that
+        raises counts as an error.
         """
+        if schedule is not None and schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.metrics.set("specter_queue_depth", 1)
         self._requests += 1
         try:
+            if schedule is not None and schedule != self.schedule:
+                self.schedule = schedule
+                self._build(self.policy_name)
             out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
                                  eos_token_id, untimed_prefill, pipelined)
         except Exception:
@@ -160,6 +182,7 @@ class VerifierActor:
         if hasattr(self, "slots"):
             self.slots.close()
             self.counters.close()
+            self.index.close()
         if hasattr(self, "arena"):
             self.target = None  # its store's blob views hold the mapping
             self.arena.close()
@@ -175,10 +198,13 @@ class VerifierActor:
     def _build(self, policy: str) -> None:
         """A fresh offloaded target for ``policy`` (a policy may hook the model: reload the dense
         parts); in-flight transfers of the old pool land first so that none overwrites a new slot."""
+        remote = self.schedule == "transfer" and not make_policy(policy).needs_model
         if self.target is not None:
             old = self.target.offload
             for key in old.pool.loading_keys():
                 old.wait(key)
+            if isinstance(old, ScheduledExperts) and not remote:
+                self.link.channel.send(UsePolicy(""))  # the transfer actor stops scheduling
         loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
         self._loaded = None
         groups = slot_groups(self.budget, loaded)
@@ -186,9 +212,17 @@ class VerifierActor:
             raise RuntimeError(f"slots: the verifier sizes {count} slots, the transfer actor {self.slots.num_slots}")
         pool = SlotPool(loaded.shape, groups, DEVICE, storage=self.slots.storage)
         store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, arena=self.arena.tensor)
-        offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
+        offload: RemoteExperts | ScheduledExperts
+        if remote:
+            wire = self.proposer.wire_id if self.proposer is not None else None
+            stand_in = RemotePolicy(make_policy(policy), self.link.channel, wire)
+            offload = ScheduledExperts(store, pool, self.link, stand_in, self.index, policy, self.host_profile,
+                                       timeout=self.timeout_s)
+        else:
+            offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
         offload.set_host(self._host(loaded))
         offload.prefill_slots()
         self.target = OffloadedTarget(loaded, offload, DEVICE)
         self.policy_name = policy
-        log.info("verifier: policy %s, %d slots over %s", policy, pool.num_slots, self.link.describe())
+        log.info("verifier: policy %s, %d slots over %s, scheduled in the %s", policy, pool.num_slots,
+                 self.link.describe(), "transfer actor" if remote else "verifier")

@@ -23,9 +23,10 @@ from msgspec import Meta
 
 from specter.config import MIN_TEMPERATURE  # 0 is greedy; a smaller one overflows logits / T
 
-PROTOCOL_VERSION = 4  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
+PROTOCOL_VERSION = 5  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
 # 3: verify, demand, done and cancel left (no component sent them); 4: pipelined drafting
-# (ProposeRequest.ahead, AheadStart, AheadKeep)
+# (ProposeRequest.ahead, AheadStart, AheadKeep); 5: the schedule in the transfer actor (UsePolicy,
+# ResetSlots, RequestStart, RoundStart, VerifyStart, LayerNeeds, RoundEnd, FetchLater, Replay)
 
 # Caps that a decoder enforces: a peer cannot make us allocate more than these.
 MAX_ID = 2**31 - 1  # layer, expert, token, round and step ids
@@ -254,6 +255,75 @@ class LinkTiming(msgspec.Struct, frozen=True, array_like=True, tag="timing"):
     timed: bool
 
 
+# -- the schedule in the transfer actor (verifier → transfer; plans come from the draft) ------------
+
+
+class UsePolicy(msgspec.Struct, frozen=True, array_like=True, tag="use_policy"):
+    """Schedule with this policy from now on (a fresh residency map, the initial slots filled
+    untimed); ``host_profile`` names the profile whose host computes late experts ("" the default).
+    An empty ``name``: stop scheduling (the verifier sends copy commands again)."""
+
+    name: Name
+    host_profile: Name = ""
+
+
+class ResetSlots(msgspec.Struct, frozen=True, array_like=True, tag="reset_slots"):
+    """Empty every slot and refill the initial residency (a request starts from it); the policy
+    and what it learnt stay."""
+
+
+class RequestStart(msgspec.Struct, frozen=True, array_like=True, tag="request_start"):
+    """A request starts (``Policy.begin_request``)."""
+
+
+class RoundStart(msgspec.Struct, frozen=True, array_like=True, tag="round_start"):
+    """Round ``round`` (the engine's id) starts with window ``k``; the draft's plan deltas for it
+    carry ``wire`` (the draft's round id on the wire)."""
+
+    round: Id
+    wire: Id
+    k: Annotated[int, Meta(ge=0, le=MAX_WINDOW)]
+
+
+class VerifyStart(msgspec.Struct, frozen=True, array_like=True, tag="verify_start"):
+    """The verify pass of ``round`` over ``positions`` positions starts."""
+
+    round: Id
+    positions: Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+
+
+class LayerNeeds(msgspec.Struct, frozen=True, array_like=True, tag="layer_needs"):
+    """The pass reached MoE ``layer`` (its ``visit``-th MoE layer since the verifier started): it
+    computes ``ready`` from their slots and ``host`` on the host, and waits for ``wait`` (demand:
+    fetched ahead of every prefetch, or promoted)."""
+
+    layer: Id
+    visit: Annotated[int, Meta(ge=0, le=2**63 - 1)]
+    wait: Ids
+    ready: Ids = []
+    host: Ids = []
+
+
+class RoundEnd(msgspec.Struct, frozen=True, array_like=True, tag="round_end"):
+    """``round`` is decided: ``accepted`` draft tokens; the verify pass's experts per layer."""
+
+    round: Id
+    accepted: Annotated[int, Meta(ge=0, le=MAX_WINDOW)]
+    layers: Ids
+    experts: Annotated[list[Ids], Meta(max_length=MAX_LIST)]
+
+
+class FetchLater(msgspec.Struct, frozen=True, array_like=True, tag="fetch_later"):
+    """Experts of ``layer`` the host just computed: move them into slots for later uses."""
+
+    layer: Id
+    experts: Ids
+
+
+class Replay(msgspec.Struct, frozen=True, array_like=True, tag="replay"):
+    """The ``oracle``: what it recorded is the next run's future (``Oracle.replay``)."""
+
+
 Message = (
     Hello
     | Welcome
@@ -269,6 +339,15 @@ Message = (
     | PromoteFetch
     | DropFetch
     | LinkTiming
+    | UsePolicy
+    | ResetSlots
+    | RequestStart
+    | RoundStart
+    | VerifyStart
+    | LayerNeeds
+    | RoundEnd
+    | FetchLater
+    | Replay
 )
 MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Hello,
@@ -285,6 +364,15 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     PromoteFetch,
     DropFetch,
     LinkTiming,
+    UsePolicy,
+    ResetSlots,
+    RequestStart,
+    RoundStart,
+    VerifyStart,
+    LayerNeeds,
+    RoundEnd,
+    FetchLater,
+    Replay,
 )
 TAGS: frozenset[str] = frozenset(str(t.__struct_config__.tag) for t in MESSAGE_TYPES)
 
@@ -353,6 +441,8 @@ def _check(msg: Message) -> None:
         _check_draft(msg)
     elif isinstance(msg, ProposeRequest | AheadKeep) and msg.ahead and msg.round >= MAX_ID:
         raise ProtocolError(f"{type(msg).__name__}: round {msg.round} has no next round to draft ahead")
+    elif isinstance(msg, RoundEnd):
+        _same_lengths("RoundEnd", msg.layers, msg.experts)
     elif isinstance(msg, StartRequest) and 0 < msg.temperature < MIN_TEMPERATURE:
         raise ProtocolError(f"StartRequest: temperature {msg.temperature} is neither 0 nor >= {MIN_TEMPERATURE}")
 
@@ -396,16 +486,25 @@ __all__ = [
     "DropFetch",
     "Error",
     "FetchExpert",
+    "FetchLater",
     "Hello",
+    "LayerNeeds",
     "LinkTiming",
     "Message",
     "PlanDelta",
     "PromoteFetch",
     "ProposeRequest",
     "ProtocolError",
+    "Replay",
+    "RequestStart",
+    "ResetSlots",
+    "RoundEnd",
+    "RoundStart",
     "Shutdown",
     "SparseProbs",
     "StartRequest",
+    "UsePolicy",
+    "VerifyStart",
     "VersionMismatch",
     "Welcome",
     "check_version",

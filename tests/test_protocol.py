@@ -42,6 +42,16 @@ SAMPLES: list[P.Message] = [
     P.PromoteFetch(7),
     P.DropFetch(8),
     P.LinkTiming(False),
+    P.UsePolicy("specter+fixed", "qwen2moe-pcie4"),
+    P.UsePolicy(""),
+    P.ResetSlots(),
+    P.RequestStart(),
+    P.RoundStart(3, 1027, 8),
+    P.VerifyStart(3, 9),
+    P.LayerNeeds(2, 41, [1, 5], [0], [7]),
+    P.RoundEnd(3, 2, [0, 2], [[1, 5], [0]]),
+    P.FetchLater(2, [7]),
+    P.Replay(),
 ]
 
 
@@ -133,6 +143,12 @@ BAD = {
     "drop string id": ["drop", "7"],
     "timing not bool": ["timing", 0],
     "timing missing": ["timing"],
+    "ragged round end": ["round_end", 0, 1, [0, 2], [[1]]],
+    "round end negative accepted": ["round_end", 0, -1, [0], [[1]]],
+    "layer needs negative visit": ["layer_needs", 0, -1, [1]],
+    "layer needs negative expert": ["layer_needs", 0, 1, [-2]],
+    "round start window too large": ["round_start", 0, 0, P.MAX_WINDOW + 1],
+    "use policy name too long": ["use_policy", "x" * (P.MAX_NAME + 1)],
 }
 
 
@@ -175,10 +191,11 @@ def test_every_type_with_a_changed_tag_is_unknown(msg: P.Message) -> None:
     assert info.value.reason == P.UNKNOWN
 
 
-def test_version_is_4_and_checked_both_ways() -> None:
-    assert P.PROTOCOL_VERSION == 4  # bumped for pipelined drafting (docs/wire.md)
+def test_version_is_5_and_checked_both_ways() -> None:
+    assert P.PROTOCOL_VERSION == 5  # bumped for the schedule in the transfer actor (docs/wire.md)
     assert not {"verify", "demand", "done", "cancel"} & P.TAGS
-    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft"), P.Hello(2, "transfer", 4), P.Hello(3, "draft", 5)):
+    for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft"), P.Hello(2, "transfer", 4), P.Hello(3, "draft", 5),
+                P.Hello(4, "verifier", 6)):
         assert P.decode(P.encode(old)) == old  # any version's Hello/Welcome still decodes...
         with pytest.raises(P.VersionMismatch) as info:  # ...and is refused by the version check
             P.check_version(old)

@@ -244,6 +244,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--actors", action="store_true",
                        help="add 'specter@actors' and 'specter@pipelined' columns: specter through the Ray actors, "
                             "same prompts, without and with pipelined drafting")
+    bench.add_argument("--actors-schedule", default="transfer",
+                       help="where the actors' schedule runs: transfer (default; next to the copies), verifier, "
+                            "or both as 'transfer,verifier' (the second's columns end in -v)")
     bench.add_argument("--actors-policy", type=_policy, default="specter",
                        help="the policy the actors' columns run (default specter; e.g. specter+fixed for one K, "
                             "so that in process and actors make the same rounds)")

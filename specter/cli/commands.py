@@ -87,6 +87,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.quick:
         config.k_candidates = (4, 8)
     config.actors, config.actors_policy = args.actors, args.actors_policy
+    config.actors_schedules = tuple(args.actors_schedule.split(","))
     config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
     config.draft_mode = args.draft_mode
     if args.step_s is not None:

@@ -34,6 +34,7 @@ BASELINE = "demand-lru"
 ACTORS = "specter@actors"
 PIPELINED = "specter@pipelined"  # the same through the actors, each next round drafted during the verify pass
 ACTORS_POLICY = "specter"  # the full policy, host compute included, through the three actors
+SCHEDULES = ("transfer", "verifier")  # where the actors' schedule runs (actors/verifier.py)
 RIVALS = ("specter-paper", "specmoeoff", "demand-host", "specter-paper+host", "specmoeoff+host")
 
 
@@ -53,6 +54,7 @@ class BenchConfig:
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
     actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
     actors_policy: str = ACTORS_POLICY  # the policy of the actors' columns (its in-process column is the reference)
+    actors_schedules: tuple[str, ...] = ("transfer",)  # one pair of actors' columns each (the first unsuffixed)
     step_s: float | None = None  # this machine's all-resident step time (wall, measured); None: measure it
     clock: str = "virtual"  # wall | virtual | measured (specter/timing/clock.py)
     rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
@@ -140,7 +142,8 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     results: dict[str, Any] = {"clock": config.clock, "step_s": step_s, "bytes_per_token": per_token,
                                "draft_mode": getattr(draft, "mode", None), "rho_override": config.rho,
                                "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
-                               "actors_policy": config.actors_policy, "profiles": {}}
+                               "actors_policy": config.actors_policy, "actors_schedules": list(config.actors_schedules),
+                               "profiles": {}}
     first = PROFILES[config.profiles[0]]
     for base in ("specter-paper", "specter"):  # K per model by profiling, as the paper does
         # The base policy's K serves its `+option` variants (and specter's the oracle's); scan the
@@ -196,8 +199,9 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
     runs: dict[str, list[dict]] = {p: [] for p in config.policies}
     mode = getattr(draft, "mode", None) or "auto"  # the actors' draft computes as the in-process one does
     handle, owns_ray = _launch_actors(config, timing.link, budget, name, mode) if config.actors else (None, False)
-    if handle is not None:
-        runs[ACTORS], runs[PIPELINED] = [], []
+    columns = actor_columns(config) if handle is not None else []
+    for column, _, _ in columns:
+        runs[column] = []
     t0 = time.perf_counter()
     try:
         for i, prompt in enumerate(config.prompts):
@@ -209,11 +213,11 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
                 runs[policy].append(stats.to_dict())
             if handle is not None:  # the same policy and window, through the actors, same prompt
                 window = window_of(config, config.actors_policy)
-                for column, pipelined in ((ACTORS, False), (PIPELINED, True)):
+                for column, schedule, pipelined in columns:
                     out = handle.generate(prompt, config.new_tokens, window=window, policy=config.actors_policy,
                                           untimed_prefill=True, temperature=config.sampling.temperature,
                                           top_p=config.sampling.top_p, seed=config.sampling.seed,
-                                          pipelined=pipelined)
+                                          pipelined=pipelined, schedule=schedule)
                     runs[column].append(out["stats"])
             if progress:
                 done = i + 1
@@ -229,6 +233,19 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
 
                 ray.shutdown()
     return runs
+
+
+def actor_columns(config: BenchConfig) -> list[tuple[str, str, bool]]:
+    """(column, schedule, pipelined) of the actors' runs: ``specter@actors`` and ``specter@pipelined``
+    for the first schedule, the same with ``-v`` for the schedule in the verifier after it."""
+    for schedule in config.actors_schedules:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"actors_schedules: expected {' or '.join(SCHEDULES)}, got {schedule!r}")
+    columns = []
+    for i, schedule in enumerate(config.actors_schedules):
+        suffix = "" if i == 0 else "-" + schedule[0]
+        columns += [(ACTORS + suffix, schedule, False), (PIPELINED + suffix, schedule, True)]
+    return columns
 
 
 def _launch_actors(
@@ -299,12 +316,13 @@ def table(results: dict[str, Any]) -> str:
                          f"{s['hit_rate']:>7.2f}{s['misses_per_token']:>10.2f}{s.get('host_per_token', 0.0):>9.2f}"
                          f"{s['mb_per_token']:>8.2f}{s['link_busy']:>7.0%}{s['recall']:>8.2f}{s['accepted']:>8.2f}"
                          + (f"{s['bound_tpot_s'] * 1e3:>9.2f}" if s.get("bound_tpot_s") is not None else ""))
-        piped = block["summary"].get(PIPELINED)
-        if piped is not None and ACTORS in block["summary"]:
-            gain = block["summary"][ACTORS]["tpot_s"] / piped["tpot_s"]
-            lines.append(f"{PIPELINED}: {gain:.2f}x the TPOT of {ACTORS}; rounds drafted ahead "
-                         f"{piped['ahead_kept']}/{piped['ahead_asked']} stood, {piped['ahead_dropped']} draft "
-                         "steps of the others reached the verifier (none of their plans moved a byte)")
+        for suffix in ("", "-v", "-t"):
+            piped, plain = block["summary"].get(PIPELINED + suffix), block["summary"].get(ACTORS + suffix)
+            if piped is not None and plain is not None:
+                gain = plain["tpot_s"] / piped["tpot_s"]
+                lines.append(f"{PIPELINED + suffix}: {gain:.2f}x the TPOT of {ACTORS + suffix}; rounds drafted "
+                             f"ahead {piped['ahead_kept']}/{piped['ahead_asked']} stood, {piped['ahead_dropped']} "
+                             "draft steps of the others reached the verifier (none of their plans moved a byte)")
         if block["summary"].get("specter", {}).get("bound_tpot_s") is not None:
             lines.append(f"{'bound':<18}{'':>9}{block['summary']['specter']['bound_tpot_s'] * 1e3:>10.2f}"
                          "   (no schedule of specter's rounds beats it: docs/benchmark.md)")

@@ -113,16 +113,7 @@ class OffloadedExperts:
 
     def claim_initial_slots(self) -> list[tuple[Key, int]]:
         """Record the initial residency in the map; returns the (expert, slot) pairs to fill."""
-        order = [(lay, e) for e in range(self.store.num_experts) for lay in self.store.layers]
-        claimed: list[tuple[Key, int]] = []
-        for key in order:
-            if self.pool.holds(key):
-                continue
-            free = self.pool.empty_slot(key[0])
-            if free is not None:
-                self.pool.claim(key, free)
-                claimed.append((key, free))
-        return claimed
+        return initial_slots(self.pool, self.store.layers, self.store.num_experts)
 
     # -- one MoE layer --------------------------------------------------------------------
     def forward(
@@ -347,6 +338,20 @@ def _expert(
     gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
     out = F.linear(module.act_fn(gate) * up, down)
     return token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(hidden.dtype)
+
+
+def initial_slots(pool: SlotPool, layers: list[int], num_experts: int) -> list[tuple[Key, int]]:
+    """Claim the initial residency in ``pool``'s empty slots, round-robin over layers (expert 0 of
+    every layer, then 1, …); returns the (expert, slot) pairs whose bytes the caller puts there."""
+    claimed: list[tuple[Key, int]] = []
+    for key in [(layer, e) for e in range(num_experts) for layer in layers]:
+        if pool.holds(key):
+            continue
+        free = pool.empty_slot(key[0])
+        if free is not None:
+            pool.claim(key, free)
+            claimed.append((key, free))
+    return claimed
 
 
 def default_host(link: Link, shape: ExpertShape, on_cuda: bool, clock: WallClock) -> HostCompute | None:

@@ -50,6 +50,7 @@ class Policy:
     value_order = False  # prefetch only the predicted experts worth their slot and link time (specter)
     adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
     pipelined = False  # ``+pipe``: the next round is drafted while this one is verified (``Engine``)
+    needs_model = False  # reads the target's routers and hidden states: it schedules next to them
 
     def __init__(self) -> None:
         self.offload: Offload | None = None

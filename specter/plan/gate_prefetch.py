@@ -18,6 +18,7 @@ class GatePrefetch(Policy):
     """Prefetch the next MoE layer's experts as its router predicts them from this layer's input."""
 
     name = "gate-prefetch"
+    needs_model = True  # its routers run on the hidden state of the layer before
 
     def __init__(self) -> None:
         super().__init__()

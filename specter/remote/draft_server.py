@@ -14,6 +14,9 @@ had accepted everything — while the verifier verifies. Between its steps it re
 anything else means the round is thrown away — the draft stops, rolls its cache and its generator
 back to where they were before the round, and handles the message. ``ahead_rounds``,
 ``ahead_thrown`` and ``ahead_steps_thrown`` count what it drafted that way and what was wasted.
+
+With a ``plans`` channel (a push socket to the transfer actor, whose schedule runs on them) each
+plan delta goes there as the step ends, and to the verifier too (its prediction-recall figures).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class DraftServer:
         channel: a pair channel to the verifier.
         vocab_size: token ids must be below this (default: the draft model's config).
         max_positions: positions the draft can hold (default: its ``max_position_embeddings``).
+        plans: a push channel to the transfer actor for the plan deltas (set later as ``plans``).
 
     Attributes:
         rejections: refused messages per reason: ``out_of_range`` (ids that do not fit),
@@ -61,10 +65,12 @@ class DraftServer:
     """
 
     def __init__(
-        self, draft: Draft, channel: Channel, vocab_size: int | None = None, max_positions: int | None = None
+        self, draft: Draft, channel: Channel, vocab_size: int | None = None, max_positions: int | None = None,
+        plans: Channel | None = None,
     ):
         self.proposer = LocalProposer(draft)
         self.channel = channel
+        self.plans = plans
         self.rounds = 0
         config = getattr(getattr(draft, "model", None), "config", None)
         self.vocab_size = vocab_size or getattr(config, "vocab_size", None) or 2**31
@@ -136,13 +142,15 @@ class DraftServer:
         self._check_tokens(list(msg.tokens), msg.keep + len(msg.tokens) + msg.k - 1 + msg.route_last)
         self.proposer.rollback(msg.keep)
 
-        def send_plan(delta: PlanDelta) -> None:
-            self.channel.send(delta)
-
-        drafts, qs = self.proposer.extend(msg.round, list(msg.tokens), msg.k, send_plan, msg.route_last)
+        drafts, qs = self.proposer.extend(msg.round, list(msg.tokens), msg.k, self._send_plan, msg.route_last)
         self._send_tokens(msg.round, drafts, qs)
         if msg.ahead:
             self._ahead(msg.round + 1, drafts, msg.route_last, msg.ahead)
+
+    def _send_plan(self, delta: PlanDelta) -> None:
+        if self.plans is not None:
+            self.plans.send(delta)
+        self.channel.send(delta)
 
     def _send_tokens(self, round_id: int, drafts: list[int], qs: list[torch.Tensor]) -> None:
         rows = [SparseProbs.from_dense(q.numpy()) for q in qs]
@@ -172,10 +180,7 @@ class DraftServer:
                 self._next = msg
                 return True
 
-            def send_plan(delta: PlanDelta) -> None:
-                self.channel.send(delta)
-
-            drafts, qs = proposer.extend(round_id, pending, k, send_plan, route_last, interrupted)
+            drafts, qs = proposer.extend(round_id, pending, k, self._send_plan, route_last, interrupted)
             opened.drafts = drafts
             if len(drafts) < k:  # a message that is not this round's keep came in
                 self._throw(opened)

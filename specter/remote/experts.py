@@ -4,12 +4,27 @@
 (untimed copies through the ``RemoteLink``) instead of local copies. Its store is the transfer
 actor's, mapped read-only (``specter/remote/shared_store.py``) and read only by host compute.
 Everything else (policies, residency map, the MoE forward) is the in-process code, unchanged.
+
+``ScheduledExperts`` is the other way: the residency map and the policy live in the transfer actor
+(``specter/remote/scheduler.py``) and this side reads where each expert is.
 """
 
 from __future__ import annotations
 
-from specter.experts.executor import OffloadedExperts
-from specter.remote.link import RemoteLink
+import time
+from typing import Any, NoReturn
+
+import torch
+
+from specter.experts.executor import OffloadedExperts, Routes, _expert, initial_slots
+from specter.experts.link import LinkError
+from specter.experts.slots import Key, SlotPool
+from specter.experts.store import ExpertStore
+from specter.plan.base import Policy
+from specter.protocol import LayerNeeds, ResetSlots, UsePolicy
+from specter.remote.link import _IDLE_S, _POLL_S, _WALL, RemoteLink, SeqEvent
+from specter.remote.residency import SharedIndex
+from specter.remote.shm import MAX_SLEEP_S
 
 
 class RemoteExperts(OffloadedExperts):
@@ -21,3 +36,197 @@ class RemoteExperts(OffloadedExperts):
         assert isinstance(link, RemoteLink)
         placements = self.claim_initial_slots()
         link.place(placements, self.timeout)
+
+
+class ScheduledExperts(OffloadedExperts):
+    """``OffloadedExperts`` whose schedule runs in the transfer actor (``specter/remote/scheduler.py``).
+
+    Its residency is read, not kept: where an expert is from the shared index, whether it is there
+    from the seq table; a slot is pinned in the seq table while its expert is computed. At each MoE
+    layer the pass says in one ``LayerNeeds`` what it computes from slots, what on the host (decided
+    here as in process, from when the link and the host would finish), and what it waits for; the
+    transfer actor moves those at demand priority. The host computation, the sums in expert order
+    and the counters are the in-process executor's.
+
+    Args:
+        store, pool, link, policy, timeout: as ``OffloadedExperts`` (``pool`` is only the slots'
+            memory and groups here; ``policy`` a ``RemotePolicy``).
+        index: the transfer actor's shared index, attached.
+        spec: the policy as the transfer actor builds it (``make_policy``'s name, options included).
+        host_profile: the profile whose host computes late experts (None: the default).
+    """
+
+    def __init__(self, store: ExpertStore, pool: SlotPool, link: RemoteLink, policy: Policy, index: SharedIndex,
+                 spec: str, host_profile: str | None = None, timeout: float = 60.0):
+        super().__init__(store, pool, link, policy, timeout)
+        self.remote, self.index = link, index
+        self.slots = link.slots
+        self.spec, self.host_profile = spec, host_profile
+        self.visit = 0  # MoE layers run so far (``LayerNeeds.visit``)
+        # (slot, seq) of each expert's copy this side has computed with (or the initial fill's): the
+        # first use of a fresh copy counts as in flight, later ones as hits, as in process
+        self._used: dict[Key, tuple[int, int]] = {}
+
+    # -- residency: the transfer actor's ------------------------------------------------------
+    def prefill_slots(self) -> None:
+        """Start the transfer actor's schedule (``UsePolicy``: it fills the initial slots itself)."""
+        before = self.mark()
+        self.remote.channel.send(UsePolicy(self.spec, self.host_profile or ""))
+        self.wait_filled(before)
+
+    def reset_residency(self) -> None:
+        before = self.mark()
+        self.remote.channel.send(ResetSlots())
+        self.wait_filled(before)
+
+    def mark(self) -> list[int]:
+        """Every slot's sequence number now (``wait_filled`` waits for the fill after it)."""
+        return [self.slots.read(slot)[1] for slot in range(self.slots.num_slots)]
+
+    def wait_filled(self, before: list[int]) -> None:
+        """Wait until the initial residency is published, each expert after ``before``."""
+        fresh = SlotPool(self.store.shape, {g: len(s) for g, s in self.pool.group_slots.items()}, storage=self.pool.storage)
+        self._used.clear()
+        for key, slot in initial_slots(fresh, self.store.layers, self.store.num_experts):
+            if not SeqEvent(self.slots, slot, key, before[slot], self.remote.counters).wait(self.timeout):
+                _late(key, self.timeout)
+            self._used[key] = (slot, self.slots.read(slot)[1])
+
+    # -- one MoE layer --------------------------------------------------------------------------
+    def forward(
+        self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """As ``OffloadedExperts.forward``, with the transfer actor placing the experts."""
+        routes = Routes(top_k_index)
+        needed = routes.needed
+        self.last_routing[layer] = top_k_index
+        self.counters.layers += 1
+        self.clock.charge_dense(hidden.shape[0], self.context)
+        ready: dict[int, int] = {}  # expert → its slot, pinned
+        late: list[int] = []
+        for e in needed:
+            landed = self._pin_if_landed((layer, e))
+            if landed is not None:
+                slot = landed[0]
+                if self._used.get((layer, e)) == landed:
+                    self.counters.hits += 1
+                else:  # prefetched, first use
+                    self.counters.inflight += 1
+                    self._used[(layer, e)] = landed
+                ready[e] = slot
+            else:
+                late.append(e)
+                if self.index.slot((layer, e)) is None:
+                    self.counters.misses += 1
+                else:
+                    self.counters.inflight += 1
+        on_host = self._host_share(layer, late, routes)
+        wait = [e for e in late if e not in on_host]
+        self.visit += 1
+        self.remote.channel.send(LayerNeeds(layer, self.visit, wait, list(ready), on_host))
+        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for e in on_host:
+            outputs[e] = self._run_host(module, (layer, e), hidden, routes, top_k_weights)
+        for e, slot in ready.items():
+            outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)
+        for e in wait:
+            slot = self._await((layer, e))
+            outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)
+        if on_host:
+            self._finish_host([(layer, e) for e in on_host])
+        final = torch.zeros_like(hidden)
+        for e in needed:
+            final.index_add_(0, *outputs[e])
+        return final
+
+    def _pin_if_landed(self, key: Key) -> tuple[int, int] | None:
+        """(slot, seq) of the copy of ``key``, its slot pinned, if it has landed; else None."""
+        slot = self.index.slot(key)
+        if slot is None:
+            return None
+        got, seq = self.slots.read(slot)
+        if got != key or self.slots.due(slot) > time.perf_counter() or not self.slots.try_pin(slot, seq):
+            return None
+        self.slots.wait_copy(slot)
+        return slot, seq
+
+    def _landing(self, key: Key) -> float | None:
+        """When ``key`` lands if it is published or being copied now; None while only queued."""
+        slot = self.index.slot(key)
+        if slot is None:
+            return None
+        got, seq = self.slots.read(slot)
+        if got == key:
+            return self.slots.due(slot)
+        return self.remote.counters.due() if seq % 2 else None
+
+    def _host_share(self, layer: int, late: list[int], routes: Routes) -> list[int]:
+        """The late experts the host would finish before they land (``OffloadedExperts._split_host``'s
+        walk: the link's clock behind the transfer moving now, the host's behind what it was given)."""
+        host = self.host
+        if host is None or not self.policy.host_compute or not late:
+            return []
+        now = self.clock.now()
+        link_t, host_t = self.link.free_at(now), max(now, host.free_at)
+        transfer_s = self.link.estimate_s(self.store.shape.nbytes)
+        chosen: list[int] = []
+        for e in late:
+            landed = self._landing((layer, e))
+            eta = max(now, landed) if landed is not None else link_t + transfer_s
+            done = host_t + host.expert_s(routes.count(e))
+            if done < eta:
+                chosen.append(e)
+                host_t = done
+            elif landed is None:
+                link_t = eta
+        return chosen
+
+    def _await(self, key: Key) -> int:
+        """Wait until ``key`` has landed in the slot the transfer actor gave it; returns it, pinned.
+        The time counts as waiting."""
+        t0 = time.perf_counter()
+        end = t0 + self.timeout
+        idle = 0.0  # how long nothing has been due
+        while True:
+            slot = self.index.slot(key)
+            now = time.perf_counter()
+            if slot is not None:
+                got, seq = self.slots.read(slot)
+                if got == key:
+                    due = self.slots.due(slot)
+                    if due > now:
+                        _WALL.wait_until(min(due, end))
+                    if self.slots.try_pin(slot, seq):
+                        self.slots.wait_copy(slot)
+                        self.counters.wait_s += time.perf_counter() - t0
+                        self._used[key] = (slot, seq)
+                        return slot
+                    continue  # claimed for another expert meanwhile: look up its new slot
+            if now >= end:
+                _late(key, self.timeout)
+            ahead = self.remote.counters.due() - now  # the copy moving now lands then
+            if ahead > _POLL_S:
+                idle = 0.0
+                time.sleep(min(ahead - _POLL_S / 2, end - now))
+            else:
+                idle += _POLL_S
+                time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
+
+    def _run_slot(
+        self, module: Any, key: Key, slot: int, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert from its pinned slot, as the eager loop computes it; then it is marked done
+        in this visit and its slot unpinned (the transfer actor may reuse it from then on)."""
+        try:
+            gate_up, down = self.store.shape.split(self.slots.storage[slot])
+            out = _expert(module, key[1], gate_up, down, hidden, routes, top_k_weights)
+            self.index.mark_done(key, self.visit)
+        finally:
+            self.slots.release(slot)
+        self.clock.charge_expert(len(out[0]))
+        return out
+
+
+def _late(key: Key, timeout: float) -> NoReturn:
+    raise LinkError(f"expert {key} did not land in a slot within {timeout:.1f}s (is the transfer actor alive?)")

@@ -9,7 +9,10 @@ the draft too.
 
 What it never sends is a well-formed command the actor would rightly obey and that changes the
 engine: ``Shutdown``, a ``FetchExpert`` into a real slot, a promote/drop of a transfer id the
-verifier may have issued, ``LinkTiming(False)``. The plan plane has no authentication: any
+verifier may have issued, ``LinkTiming(False)``, the round's schedule messages (``UsePolicy``,
+``RoundStart``, a ``LayerNeeds`` that names real experts, …). Plan deltas of a round that is not
+running it does send: the schedule holds a few rounds ahead and drops the rest (they move experts
+at most, never tokens). The plan plane has no authentication: any
 process of the same user can reach its 0700 ipc directory and command the actors (as it could
 ptrace them), so such frames test nothing about robustness (docs/security.md). Every frame is
 decoded here before it is sent, so a bit flip that happens to make one of them is replaced.
@@ -153,7 +156,14 @@ class FrameFuzzer:
             else:
                 unknown = rng.randrange(ID_FLOOR, P.MAX_ID)
                 return [P.encode(P.PromoteFetch(unknown) if rng.random() < 0.5 else P.DropFetch(unknown))]
-            return [P.encode(P.FetchExpert(rng.randrange(P.MAX_ID), layer, expert, slot, rng.randrange(2)))]
+            if which == 2 or rng.random() < 0.5:
+                return [P.encode(P.FetchExpert(rng.randrange(P.MAX_ID), layer, expert, slot, rng.randrange(2)))]
+            # the schedule's messages naming a layer or expert the engine does not have
+            schedule: list[P.Message] = [
+                P.LayerNeeds(layer, rng.randrange(P.MAX_ID), [expert]), P.LayerNeeds(layer, 1, [], [expert]),
+                P.FetchLater(layer, [expert]), P.PlanDelta(rng.randrange(P.MAX_ID), 0, [layer], [[expert]], [[0.5]]),
+            ]
+            return [P.encode(rng.choice(schedule))]
         token = min(t.vocab_size - 1 + big, P.MAX_ID)
         beyond = min(t.max_positions + big, P.MAX_TOKENS)  # positions the draft does not have
         choices: list[P.Message] = [
@@ -186,7 +196,10 @@ class FrameFuzzer:
         if self.t.role == "transfer":
             others += [P.StartRequest("r", [1], 1), P.ProposeRequest(0, 0, [1], 1), P.LinkTiming(True)]
         else:
-            others += [P.FetchExpert(0, 0, 0, 0, 0), P.PromoteFetch(0), P.DropFetch(0), P.LinkTiming(False)]
+            others += [P.FetchExpert(0, 0, 0, 0, 0), P.PromoteFetch(0), P.DropFetch(0), P.LinkTiming(False),
+                       P.UsePolicy("demand-lru"), P.ResetSlots(), P.RequestStart(), P.RoundStart(0, 0, 2),
+                       P.VerifyStart(0, 3), P.LayerNeeds(0, 1, [0]), P.RoundEnd(0, 1, [0], [[1]]),
+                       P.FetchLater(0, [1]), P.Replay()]
         return [P.encode(self.rng.choice(others))]
 
     def _multipart(self) -> list[bytes]:
@@ -225,6 +238,12 @@ class FrameFuzzer:
             return msg.layer in self.t.layers and msg.expert < self.t.num_experts and msg.slot < self.t.num_slots
         if isinstance(msg, P.PromoteFetch | P.DropFetch):
             return msg.id < ID_FLOOR
+        if isinstance(msg, P.UsePolicy | P.ResetSlots | P.RequestStart | P.RoundStart | P.VerifyStart | P.RoundEnd
+                      | P.Replay):
+            return True  # the round's messages: obeyed as the verifier's
+        if isinstance(msg, P.LayerNeeds | P.FetchLater):
+            experts = [*msg.wait, *msg.ready, *msg.host] if isinstance(msg, P.LayerNeeds) else msg.experts
+            return msg.layer in self.t.layers and all(e < self.t.num_experts for e in experts)
         return isinstance(msg, P.LinkTiming) and not msg.timed
 
 

@@ -135,6 +135,10 @@ class RemoteProposer:
         """The draft keeps only ``length`` positions (sent with the next request)."""
         self.cached = min(self.cached, length)
 
+    def wire_id(self, round_id: int) -> int:
+        """Round ``round_id`` of the running request as the draft's messages name it."""
+        return self._base + round_id
+
     def _wire(self, round_id: int) -> int:
         wire = self._base + round_id
         self._next_base = max(self._next_base, wire + 2)  # + 2: the optimistic round after it

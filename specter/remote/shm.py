@@ -280,6 +280,20 @@ class SharedSlots:
                 return ready
             self.table[slot, PINS] -= 1
 
+    def try_pin(self, slot: int, seq: int) -> bool:
+        """Pin ``slot`` if it has not been claimed for a write since ``seq`` was read (then the
+        writer leaves it alone until :meth:`release`); False, and nothing pinned, otherwise."""
+        self.table[slot, PINS] += 1
+        fence()  # the pin is visible before we re-read the number (Dekker with begin_write())
+        if self.is_current(slot, seq):
+            return True
+        self.table[slot, PINS] -= 1
+        return False
+
+    def pinned(self, slot: int) -> bool:
+        """Whether a reader pins ``slot`` now (the writer's schedule leaves its expert alone)."""
+        return int(self.table[slot, PINS]) > 0
+
     def release(self, slot: int) -> None:
         """Unpin a slot pinned by :meth:`acquire`."""
         self.table[slot, PINS] -= 1

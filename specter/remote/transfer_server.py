@@ -6,7 +6,8 @@ transfer, one at a time, demand before prefetch, queued ones cancellable) whose 
 counts itself in :class:`SharedCounters`, publishes the key with the time it lands (the link
 model's), and sleeps to that time before the next copy; the reader waits to it itself.
 ``TransferServer`` reads ``FetchExpert``/``PromoteFetch``/``DropFetch``/``LinkTiming`` from a
-channel and drives it. A command that names no real expert, slot or transfer, or a message meant
+channel and drives it; with ``UsePolicy`` it runs the schedule itself (``specter/remote/scheduler.py``):
+the draft's plans and the verifier's round and layer messages reach the policy there. A command that names no real expert, slot or transfer, or a message meant
 for another actor, is refused before it indexes anything, counted in ``rejections`` by reason and
 logged at most once per second per reason; nothing a peer sends stops the loop but ``Shutdown``.
 """
@@ -19,17 +20,43 @@ import time
 import weakref
 
 from specter.config import LinkConfig
+from specter.experts.host import HostCompute
 from specter.experts.link import SimulatedLink, Transfer
 from specter.experts.store import ExpertStore
-from specter.protocol import DropFetch, FetchExpert, LinkTiming, PromoteFetch, Shutdown
+from specter.plan import make_policy
+from specter.protocol import (
+    DropFetch,
+    FetchExpert,
+    FetchLater,
+    Hello,
+    LayerNeeds,
+    LinkTiming,
+    PlanDelta,
+    PromoteFetch,
+    ProtocolError,
+    Replay,
+    RequestStart,
+    ResetSlots,
+    RoundEnd,
+    RoundStart,
+    Shutdown,
+    UsePolicy,
+    VerifyStart,
+    check_version,
+)
 from specter.remote.channel import Channel, DropLog
 from specter.remote.counters import SharedCounters
+from specter.remote.residency import SharedIndex
+from specter.remote.scheduler import TransferExperts
 from specter.remote.shm import SharedSlots
+from specter.timing.profiles import simulated_host
 
 log = logging.getLogger(__name__)
 
 OUT_OF_RANGE, UNKNOWN_ID, DUPLICATE_ID, UNEXPECTED = "out_of_range", "unknown_id", "duplicate_id", "unexpected"
+NO_POLICY, FAILED = "no_policy", "failed"
 PINNED_RETRY_S = 1e-4
+BLOCKED_POLL_S = 1e-4  # a demand waits for a slot: look again this soon
 _PRUNE_AT = 4096
 
 
@@ -82,32 +109,46 @@ class SlotWriterLink(SimulatedLink):
 
 
 class TransferServer:
-    """Serves copy commands from the verifier.
+    """Serves copy commands from the verifier, or runs the schedule itself (``UsePolicy``).
 
     Args:
         store: the host blobs.
         slots: the shared slots this process created.
         counters: the shared counters this process created.
         link: the link model (``sim``; a CUDA copy stream is the next step).
-        channel: a pull channel from the verifier.
+        channel: a pull channel from the verifier (and from the draft, for its plans).
+        index: the shared index this process created (where the schedule says each expert is).
+        groups: slots per group, as the verifier sizes them (the schedule's slot pool).
+        timeout_s: how long a reset waits for a transfer in flight.
 
     Attributes:
         rejections: refused commands per reason: ``out_of_range`` (no such layer, expert or slot),
             ``unknown_id`` (promote/drop of a transfer never fetched), ``duplicate_id`` (a fetch
-            reusing the id of a pending transfer), ``unexpected`` (a message for another actor).
+            reusing the id of a pending transfer), ``unexpected`` (a message for another actor),
+            ``no_policy`` (a schedule message before any ``UsePolicy``, or a ``UsePolicy`` this side
+            cannot run), ``failed`` (the schedule raised on a message: logged with its traceback,
+            the loop goes on).
+        schedule: the running schedule (None until a ``UsePolicy``).
+        plans_ignored: plan deltas that came while no schedule ran here (the verifier schedules).
+        peers: the roles whose ``Hello`` arrived after the first (the draft's, for its plans).
     """
 
     def __init__(
         self, store: ExpertStore, slots: SharedSlots, counters: SharedCounters, link: LinkConfig,
-        channel: Channel,
+        channel: Channel, index: SharedIndex | None = None, groups: dict[int, int] | None = None,
+        timeout_s: float = 60.0,
     ):
         if link.kind != "sim":
             raise ValueError("link: the transfer actor supports sim:GBPS links only so far")
-        self.store, self.slots, self.channel = store, slots, channel
+        self.store, self.slots, self.channel, self.index = store, slots, channel, index
+        self.link_config, self.groups, self.timeout_s = link, groups, timeout_s
         self.link = SlotWriterLink(slots, counters, link.bandwidth, link.latency)
         self.transfers: dict[int, Transfer] = {}
+        self.schedule: TransferExperts | None = None
+        self.plans_ignored = 0  # plan deltas from the draft while the verifier schedules
+        self.peers: list[str] = []
         self._layers = frozenset(store.layers)
-        self._refuse = DropLog("transfer", (OUT_OF_RANGE, UNKNOWN_ID, DUPLICATE_ID, UNEXPECTED))
+        self._refuse = DropLog("transfer", (OUT_OF_RANGE, UNKNOWN_ID, DUPLICATE_ID, UNEXPECTED, NO_POLICY, FAILED))
         self.rejections: dict[str, int] = self._refuse.counts
 
     @property
@@ -125,16 +166,110 @@ class TransferServer:
             self.link.timed = msg.timed
         elif isinstance(msg, Shutdown):
             return False
+        elif isinstance(msg, UsePolicy):
+            self._use_policy(msg)
+        elif isinstance(msg, Hello):
+            self._hello(msg)
+        elif isinstance(msg, ResetSlots | RequestStart | RoundStart | VerifyStart | LayerNeeds | RoundEnd
+                        | FetchLater | Replay | PlanDelta):
+            self._schedule(msg)
         else:
             self._refuse(UNEXPECTED, f"a {type(msg).__name__} message is not for the transfer actor")
         return True
 
     def serve(self, stop: threading.Event, poll_s: float = 0.05) -> None:
-        """Handle messages until ``stop`` is set or a ``Shutdown`` arrives."""
+        """Handle messages until ``stop`` is set or a ``Shutdown`` arrives; a blocked demand is
+        looked at again every ``BLOCKED_POLL_S`` meanwhile."""
         while not stop.is_set():
-            msg = self.channel.recv(poll_s)
+            blocked = self.schedule is not None and self.schedule.blocked
+            msg = self.channel.recv(BLOCKED_POLL_S if blocked else poll_s)
             if msg is not None and not self.handle(msg):
                 return
+            if blocked and self.schedule is not None:
+                self.schedule.retry()
+
+    def _hello(self, msg: Hello) -> None:
+        """A second peer on the pull socket (the draft, whose plans come here): check its version."""
+        try:
+            check_version(msg)
+        except ProtocolError as exc:
+            self._refuse(UNEXPECTED, str(exc))
+            return
+        self.peers.append(msg.role)
+
+    def _use_policy(self, msg: UsePolicy) -> None:
+        """A fresh schedule for ``msg.name``: its residency map, the initial slots filled untimed
+        (no name: no schedule here any more, once the copies in flight have landed)."""
+        if not msg.name:  # the verifier schedules again: it sends copy commands
+            if self.schedule is not None:
+                self.schedule.reset(self.timeout_s, refill=False)
+            self.schedule = None
+            return
+        if self.index is None or self.groups is None:
+            self._refuse(NO_POLICY, f"{msg}: this transfer side was started without a shared index")
+            return
+        try:
+            policy = make_policy(msg.name)
+        except ValueError as exc:
+            self._refuse(NO_POLICY, f"{msg}: {exc}")
+            return
+        if policy.needs_model:
+            self._refuse(NO_POLICY, f"{msg}: policy {msg.name} reads the target's hidden states; it schedules in the verifier")
+            return
+        shape, cfg = self.store.shape, self.link_config
+        host = HostCompute(simulated_host(cfg.bandwidth, cfg.latency, shape.nbytes, 2 * shape.numel,
+                                          msg.host_profile or None), shape)
+        if self.schedule is not None:
+            self.schedule.reset(self.timeout_s, refill=False)  # in-flight copies land before the new map is made
+        self.index.clear_all()
+        self.schedule = TransferExperts(self.store, self.slots, self.index, self.link, self.groups, policy, host)
+        self.schedule.fill()
+
+    def _schedule(self, msg: object) -> None:
+        schedule = self.schedule
+        if schedule is None and isinstance(msg, PlanDelta):  # the verifier schedules: its copy of the plan is the one used
+            self.plans_ignored += 1
+            return
+        if schedule is None:
+            self._refuse(NO_POLICY, f"a {type(msg).__name__} message before any UsePolicy")
+            return
+        if isinstance(msg, LayerNeeds | FetchLater | PlanDelta) and not self._in_range(msg):
+            self._refuse(OUT_OF_RANGE, f"{msg}: no such layer or expert")
+            return
+        try:
+            self._dispatch(schedule, msg)
+        except Exception as exc:  # a bug in a policy must not stop the copies: counted, logged
+            self._refuse(FAILED, f"{type(msg).__name__} failed: {exc!r}", exc_info=True)
+
+    def _dispatch(self, schedule: TransferExperts, msg: object) -> None:
+        if isinstance(msg, PlanDelta):
+            schedule.on_plan(msg)
+        elif isinstance(msg, LayerNeeds):
+            schedule.layer(msg)
+        elif isinstance(msg, RoundStart):
+            schedule.begin_round(msg)
+        elif isinstance(msg, VerifyStart):
+            schedule.begin_verify(msg)
+        elif isinstance(msg, RoundEnd):
+            schedule.end_round(msg)
+        elif isinstance(msg, FetchLater):
+            schedule.fetch_later(msg)
+        elif isinstance(msg, RequestStart):
+            schedule.policy.begin_request()
+        elif isinstance(msg, ResetSlots):
+            schedule.reset(self.timeout_s)
+        elif isinstance(msg, Replay):
+            replay = getattr(schedule.policy, "replay", None)
+            if replay is not None:
+                replay()
+
+    def _in_range(self, msg: LayerNeeds | FetchLater | PlanDelta) -> bool:
+        if isinstance(msg, PlanDelta):
+            layers, experts = msg.layers, [e for ids in msg.experts for e in ids]
+        else:
+            layers = [msg.layer]
+            experts = [*msg.wait, *msg.ready, *msg.host] if isinstance(msg, LayerNeeds) else msg.experts
+        return all(layer in self._layers for layer in layers) and all(e < self.store.num_experts for e in experts)
 
     def close(self) -> None:
         """Stop the copy thread (queued copies are dropped)."""

@@ -92,6 +92,21 @@ def test_host_compute_through_actors_reads_the_transfer_store_read_only(local_ra
         handle.shutdown()
 
 
+def test_the_schedule_moves_between_the_transfer_actor_and_the_verifier(engine, models) -> None:
+    """Per request the schedule runs next to the copies or in the verifier; the tokens do not care,
+    and a bad place is refused by name."""
+    folder, draft = models
+    reference = _reference(folder)
+    for schedule in ("verifier", "transfer", "verifier"):
+        got = engine.generate(PROMPT, NEW, policy="specter+fixed", window=3, schedule=schedule)
+        assert got["tokens"] == reference, schedule
+        assert got["stats"]["transfers"] > 0
+    with pytest.raises(ray.exceptions.RayTaskError, match="schedule: expected one of transfer, verifier"):
+        engine.generate(PROMPT, NEW, schedule="driver")
+    engine.generate(PROMPT, NEW, policy="demand-lru", schedule="transfer")  # back to the module's default
+    assert engine.link_counters()["rejected"] == 0
+
+
 def test_sampling_through_actors_matches_in_process(engine, models) -> None:
     """Same seed, same draft generator, same K every round on both sides: the same sampled tokens
     (a K chosen from wall-clock timings, as plain `specter` does, would change which are drawn)."""

@@ -19,7 +19,7 @@ from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
 from specter.models.loader import build_dense, load_store
 from specter.plan import make_policy
-from specter.protocol import DropFetch, FetchExpert, PlanDelta, PromoteFetch
+from specter.protocol import AheadStart, DropFetch, FetchExpert, LayerNeeds, PlanDelta, PromoteFetch
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
 from specter.remote.endpoints import private_ipc_dir
@@ -27,7 +27,14 @@ from specter.remote.experts import RemoteExperts
 from specter.remote.link import RemoteLink
 from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shm import SharedSlots
-from specter.remote.transfer_server import OUT_OF_RANGE, UNEXPECTED, UNKNOWN_ID, TransferServer
+from specter.remote.transfer_server import (
+    FAILED,
+    NO_POLICY,
+    OUT_OF_RANGE,
+    UNEXPECTED,
+    UNKNOWN_ID,
+    TransferServer,
+)
 from specter.target import OffloadedTarget, slot_groups
 
 SHAPE = ExpertShape(hidden=8, intermediate=4, dtype=torch.float32)  # 384 bytes per expert
@@ -204,9 +211,13 @@ def test_commands_that_name_nothing_are_refused_and_counted(link) -> None:
     send(FetchExpert(102, 0, 0, 6, 0))  # no slot 6
     send(PromoteFetch(555))
     send(DropFetch(556))
-    send(PlanDelta(0, 0, [0], [[1]], [[1.0]]))  # for the policy, not the transfer actor
-    _until(lambda: server.rejected == 6)
-    assert server.rejections == {OUT_OF_RANGE: 3, UNKNOWN_ID: 2, "duplicate_id": 0, UNEXPECTED: 1}
+    send(PlanDelta(0, 0, [0], [[1]], [[1.0]]))  # no schedule here: the verifier's policy has its own copy
+    send(LayerNeeds(0, 1, [1]))  # a schedule message before any UsePolicy
+    send(AheadStart(1, 2))  # for the verifier, not the transfer actor
+    _until(lambda: server.rejected == 7)
+    assert server.rejections == {OUT_OF_RANGE: 3, UNKNOWN_ID: 2, "duplicate_id": 0, UNEXPECTED: 1,
+                                 NO_POLICY: 1, FAILED: 0}
+    assert server.plans_ignored == 1
     assert all(slots.read(s)[1] == 0 for s in range(slots.num_slots)), "a refused command touched a slot"
     ok = remote.submit((1, 2), 1, torch.empty(0), slots.storage[1], DEMAND)  # the server still serves
     ok.wait(HANG_S)

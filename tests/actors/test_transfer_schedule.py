@@ -1,0 +1,206 @@
+"""The schedule in the transfer actor, in one process (no Ray): the transfer server with its policy,
+the draft server sending its plans to it, the verifier's ``ScheduledExperts`` reading residency from
+shared memory. Every policy gives transformers' tokens; the plans reach the policy there."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import noisy_copy
+from transformers import AutoModelForCausalLM
+
+from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.draft.resident import ResidentDraft
+from specter.engine import Engine
+from specter.experts.slots import SlotPool
+from specter.models.loader import build_dense, load_store
+from specter.plan import make_policy
+from specter.protocol import LayerNeeds, PlanDelta, RoundStart, UsePolicy
+from specter.remote.channel import Channel
+from specter.remote.counters import SharedCounters
+from specter.remote.draft_server import DraftServer
+from specter.remote.endpoints import private_ipc_dir
+from specter.remote.experts import ScheduledExperts
+from specter.remote.link import RemoteLink
+from specter.remote.policy import RemotePolicy
+from specter.remote.proposer import RemoteProposer
+from specter.remote.residency import SharedIndex
+from specter.remote.segments import new_prefix, unlink_prefix
+from specter.remote.shm import SharedSlots
+from specter.remote.transfer_server import NO_POLICY, OUT_OF_RANGE, TransferServer
+from specter.target import OffloadedTarget, slot_groups
+from specter.timing.profiles import simulated_host
+
+PROMPT = [5, 99, 17, 42, 8, 63, 21]
+NEW = 12
+LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
+BUDGET = SlotConfig(fraction=0.25)
+HANG_S = 30.0
+
+
+@contextmanager
+def _serve(name: str, target, *args) -> Iterator[threading.Event]:  # type: ignore[no-untyped-def]
+    stop = threading.Event()
+    thread = threading.Thread(target=target, args=(*args, stop), name=name, daemon=True)
+    thread.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+class Replica:
+    """Transfer server + draft server in threads, the verifier's target in this thread."""
+
+    def __init__(self, folder: Path, draft: Path | None, stack: ExitStack):
+        host = build_dense(folder, torch.float32)
+        self.store = load_store(host)
+        groups = slot_groups(BUDGET, host)
+        self.prefix = prefix = new_prefix("spt-sched")
+        slots = SharedSlots.create(prefix, sum(groups.values()), self.store.shape.numel, self.store.shape.dtype)
+        counters = SharedCounters(prefix, create=True)
+        index = SharedIndex(prefix, max(self.store.layers) + 1, self.store.num_experts, create=True)
+        ipc = private_ipc_dir()
+        pull = Channel("pull", ipc.endpoint("transfer"), bind=True, peer="verifier")
+        self.server = TransferServer(self.store, slots, counters, LINK, pull, index, groups, timeout_s=HANG_S)
+        stack.callback(self._cleanup, slots, counters, index, ipc, pull)
+
+        def transfer(stop: threading.Event) -> None:
+            pull.handshake("transfer", 10)
+            self.server.serve(stop, poll_s=0.01)
+
+        stack.enter_context(_serve("transfer", transfer))
+        push = stack.enter_context(_closing(Channel("push", pull.address, bind=False, peer="transfer")))
+        push.handshake("verifier", 10)
+        self.proposer = None
+        if draft is not None:
+            pair = stack.enter_context(_closing(Channel("pair", ipc.endpoint("draft"), bind=True, peer="verifier")))
+            plans = stack.enter_context(_closing(Channel("push", pull.address, bind=False, peer="transfer")))
+            plans.handshake("draft", 10)
+            self.draft_server = DraftServer(ResidentDraft(draft), pair, plans=plans)
+
+            def drafting(stop: threading.Event) -> None:
+                pair.handshake("draft", 10)
+                self.draft_server.serve(stop, poll_s=0.01)
+
+            stack.enter_context(_serve("draft", drafting))
+            near = stack.enter_context(_closing(Channel("pair", pair.address, bind=False, peer="draft")))
+            near.handshake("verifier", 10)
+            self.proposer = RemoteProposer(near, HANG_S)
+        self.reader = SharedSlots.attach(slots.handle)
+        stack.callback(self.reader.close)
+        self.remote = RemoteLink(push, self.reader, SharedCounters(prefix, create=False), LINK)
+        self.index = SharedIndex(prefix, max(self.store.layers) + 1, self.store.num_experts, create=False)
+        stack.callback(self.index.close)
+        self.folder, self.groups = folder, groups
+
+    def target(self, policy: str) -> OffloadedTarget:
+        loaded = build_dense(self.folder, torch.float32)
+        pool = SlotPool(loaded.shape, self.groups, torch.device("cpu"), storage=self.reader.storage)
+        wire = self.proposer.wire_id if self.proposer is not None else None
+        stand_in = RemotePolicy(make_policy(policy), self.remote.channel, wire)
+        offload = ScheduledExperts(self.store, pool, self.remote, stand_in, self.index, policy, timeout=HANG_S)
+        shape = self.store.shape  # the host beside the link, as the verifier actor sets it
+        offload.set_host(simulated_host(LINK.bandwidth, LINK.latency, shape.nbytes, 2 * shape.numel))
+        offload.prefill_slots()
+        return OffloadedTarget(loaded, offload, torch.device("cpu"))
+
+    def _cleanup(self, slots, counters, index, ipc, pull) -> None:  # type: ignore[no-untyped-def]
+        self.server.close()
+        pull.close()
+        ipc.cleanup()
+        index.close()
+        slots.close()
+        slots.unlink()
+        counters.close()
+        assert unlink_prefix(self.prefix) == []
+
+
+@contextmanager
+def _closing(channel: Channel) -> Iterator[Channel]:
+    try:
+        yield channel
+    finally:
+        channel.close()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:
+    folder = tiny_dir("mixtral")
+    return folder, noisy_copy(folder, tmp_path_factory.mktemp("draft") / "d")
+
+
+@pytest.fixture(scope="module")
+def replica(models) -> Iterator[Replica]:
+    with ExitStack() as stack:
+        yield Replica(*models, stack)
+
+
+def _reference(folder: Path) -> list[int]:
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize(
+    ("policy", "window"),
+    [("demand-lru", 0), ("demand-host", 0), ("specmoeoff", 3), ("specter-paper", 4), ("specter-paper+host", 4),
+     ("specter", 4), ("specter+fixed", 4), ("oracle", 4)],
+)
+def test_scheduled_in_the_transfer_actor_is_token_identical(replica, models, policy, window) -> None:
+    target = replica.target(policy)
+    proposer = replica.proposer if window else None
+    tokens, stats = Engine(target, window=window, proposer=proposer).generate_fresh(PROMPT, NEW)
+    assert tokens == _reference(models[0])
+    assert stats.misses > 0 and stats.transfers > 0
+    schedule = replica.server.schedule
+    assert schedule is not None and schedule.policy.name == make_policy(policy).name
+    assert replica.server.rejected == 0
+
+
+def test_the_plans_reach_the_policy_in_the_transfer_actor(replica) -> None:
+    target = replica.target("specter+fixed")
+    seen: list[PlanDelta] = []
+    schedule = replica.server.schedule
+    assert schedule is not None
+    on_plan = schedule.policy.on_plan
+    schedule.policy.on_plan = lambda delta: (seen.append(delta), on_plan(delta))  # type: ignore[method-assign]
+    _, stats = Engine(target, window=4, proposer=replica.proposer, pipelined=False).generate_fresh(PROMPT, NEW)
+    rounds, drafted = stats.extra["rounds"], stats.extra["drafted"]
+    assert rounds > 0 and len(seen) == drafted  # one delta per draft step
+    assert {d.round for d in seen} == set(range(rounds))  # the engine's round ids, not the wire's
+    assert schedule.plans_dropped == 0
+
+
+def test_pipelined_through_the_transfer_schedule_is_exact_and_sampling_matches_in_process(replica, models) -> None:
+    target = replica.target("specter+fixed")
+    tokens, _ = Engine(target, window=4, proposer=replica.proposer, pipelined=True).generate_fresh(PROMPT, NEW)
+    assert tokens == _reference(models[0])
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
+    got, _ = Engine(target, window=4, proposer=replica.proposer, pipelined=False).generate_fresh(PROMPT, NEW, sampling)
+    local = OffloadedTarget.load(models[0], BUDGET, LINK, policy="specter+fixed")
+    try:
+        expected, _ = Engine(local, ResidentDraft(models[1]), 4).generate_fresh(PROMPT, NEW, sampling)
+    finally:
+        local.close()
+    assert got == expected
+
+
+def test_schedule_messages_that_name_nothing_are_refused(replica) -> None:
+    server = replica.server
+    before = dict(server.rejections)
+    server.handle(UsePolicy("no-such-policy"))
+    server.handle(UsePolicy("gate-prefetch"))  # reads hidden states: schedules in the verifier
+    assert server.rejections[NO_POLICY] == before[NO_POLICY] + 2
+    replica.target("demand-lru")
+    server.handle(LayerNeeds(99, 1, [0]))
+    server.handle(LayerNeeds(replica.store.layers[0], 1, [replica.store.num_experts]))
+    assert server.rejections[OUT_OF_RANGE] == before[OUT_OF_RANGE] + 2
+    server.handle(RoundStart(0, 0, 0))  # in range: handled
+    assert server.rejections[OUT_OF_RANGE] == before[OUT_OF_RANGE] + 2

@@ -244,7 +244,7 @@ class OffloadedExperts:
         assert self.host is not None
         gate_up, down = self.store.shape.split(self.store.blob(*key))
         self.host.start(routes.count(key[1]), self.clock.now())
-        return _expert(module, key[1], gate_up, down, hidden, routes, top_k_weights)
+        return expert_output(module, key[1], gate_up, down, hidden, routes, top_k_weights)
 
     def _finish_host(self, on_host: list[Key]) -> None:
         """The layer ends when the host is done too; then, if the policy wants them (always, or
@@ -286,7 +286,7 @@ class OffloadedExperts:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert on its tokens, exactly as the eager loop computes it; then unpin its slot."""
         gate_up, down = self.pool.view(key)
-        out = _expert(module, key[1], gate_up, down, hidden, routes, top_k_weights)
+        out = expert_output(module, key[1], gate_up, down, hidden, routes, top_k_weights)
         self.clock.charge_expert(len(out[0]))
         event = None
         if self.on_cuda:  # on the pool's device's stream: the current device may be another one
@@ -329,7 +329,7 @@ class Routes:
         return flat // self.tokens, flat % self.tokens
 
 
-def _expert(
+def expert_output(
     module: Any, expert: int, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
     routes: Routes, top_k_weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,15 +16,14 @@ from typing import Any, NoReturn
 
 import torch
 
-from specter.experts.executor import OffloadedExperts, Routes, _expert, initial_slots
+from specter.experts.executor import OffloadedExperts, Routes, expert_output, initial_slots
 from specter.experts.link import LinkError
 from specter.experts.slots import Key, SlotPool
 from specter.experts.store import ExpertStore
 from specter.plan.base import Policy
 from specter.protocol import LayerNeeds, ResetSlots, UsePolicy
-from specter.remote.link import _IDLE_S, _POLL_S, _WALL, RemoteLink, SeqEvent
+from specter.remote.link import WALL, RemoteLink, SeqEvent, nap
 from specter.remote.residency import SharedIndex
-from specter.remote.shm import MAX_SLEEP_S
 
 
 class RemoteExperts(OffloadedExperts):
@@ -196,7 +195,7 @@ class ScheduledExperts(OffloadedExperts):
                 if got == key:
                     due = self.slots.due(slot)
                     if due > now:
-                        _WALL.wait_until(min(due, end))
+                        WALL.wait_until(min(due, end))
                     if self.slots.try_pin(slot, seq):
                         self.slots.wait_copy(slot)
                         self.counters.wait_s += time.perf_counter() - t0
@@ -205,13 +204,7 @@ class ScheduledExperts(OffloadedExperts):
                     continue  # claimed for another expert meanwhile: look up its new slot
             if now >= end:
                 _late(key, self.timeout)
-            ahead = self.remote.counters.due() - now  # the copy moving now lands then
-            if ahead > _POLL_S:
-                idle = 0.0
-                time.sleep(min(ahead - _POLL_S / 2, end - now))
-            else:
-                idle += _POLL_S
-                time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
+            idle = nap(self.remote.counters, end, idle)
 
     def _run_slot(
         self, module: Any, key: Key, slot: int, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
@@ -220,7 +213,7 @@ class ScheduledExperts(OffloadedExperts):
         in this visit and its slot unpinned (the transfer actor may reuse it from then on)."""
         try:
             gate_up, down = self.store.shape.split(self.slots.storage[slot])
-            out = _expert(module, key[1], gate_up, down, hidden, routes, top_k_weights)
+            out = expert_output(module, key[1], gate_up, down, hidden, routes, top_k_weights)
             self.index.mark_done(key, self.visit)
         finally:
             self.slots.release(slot)

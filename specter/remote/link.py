@@ -37,7 +37,22 @@ _FOREVER_S = 1e9
 _PRUNE_AT = 4096
 _POLL_S = 50e-6  # close polling around a landing (a sleep this short wakes ~20 µs late here)
 _IDLE_S = 2e-3  # nothing due for this long: back off (the copy thread may be waiting on a pin)
-_WALL = WallClock()
+WALL = WallClock()
+
+
+def nap(counters: SharedCounters, end: float, idle: float) -> float:
+    """Sleep while waiting for a blob: to just before the copy moving now lands (nothing lands
+    before it: one copy thread), or a poll step once it is due; when nothing has been due for a
+    while (the copy thread may be waiting on a pinned slot) back off. Returns the new ``idle``
+    (how long nothing has been due)."""
+    now = time.perf_counter()
+    ahead = counters.due() - now  # the moving transfer lands then (the writer's clock)
+    if ahead > _POLL_S:
+        time.sleep(min(ahead - _POLL_S / 2, end - now))
+        return 0.0
+    idle += _POLL_S
+    time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
+    return idle
 
 
 class SeqEvent(threading.Event):
@@ -83,20 +98,13 @@ class SeqEvent(threading.Event):
         end = time.perf_counter() + (_FOREVER_S if timeout is None else timeout)
         idle = 0.0  # how long nothing has been due
         while not self.published():
-            now = time.perf_counter()
-            if now >= end:
+            if time.perf_counter() >= end:
                 return False
-            ahead = self.counters.due() - now  # the moving transfer lands then (the writer's clock)
-            if ahead > _POLL_S:
-                idle = 0.0
-                time.sleep(min(ahead - _POLL_S / 2, end - now))
-            else:
-                idle += _POLL_S
-                time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
+            idle = nap(self.counters, end, idle)
         assert self.due is not None
         if self.due > end:
             return False
-        _WALL.wait_until(self.due)
+        WALL.wait_until(self.due)
         self.slots.wait_copy(self.slot)  # CUDA: the reader's stream waits for the copy's event
         self.set()
         return True

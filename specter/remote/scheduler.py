@@ -12,8 +12,10 @@ process; what the in-process executor tells a policy itself reaches it here as m
 * from the verifier, the round (``RequestStart``, ``RoundStart``, ``VerifyStart``, ``RoundEnd``) and
   the pass's progress: ``LayerNeeds`` as each MoE layer's routing is known — which experts it
   computes from slots, which on the host, which it waits for. Those it waits for are fetched at
-  demand priority, ahead of every prefetch (or promoted, when already queued); a demand that finds
-  no free-able slot waits until a transfer into its group lands (``retry``).
+  demand priority, ahead of every prefetch (or promoted, when already queued), before the policy
+  sees the layer (in process the policy goes first; here that would put its schedule between the
+  verifier's miss and the copy); a demand that finds no free-able slot waits until a transfer into
+  its group lands (``retry``).
 
 Which slot each expert got goes to the shared index (``specter/remote/residency.py``); whether its
 bytes are in is the seq table's word, as before. A slot the verifier pins in the seq table is never
@@ -202,7 +204,8 @@ class TransferExperts:
         self.policy.begin_verify(msg.round, msg.positions)
 
     def layer(self, msg: LayerNeeds) -> None:
-        """The pass is at ``msg.layer``: the policy sees its routing; demands go out."""
+        """The pass is at ``msg.layer``: its demands go out first (the copy thread starts on them at
+        once), then the policy sees the layer's routing and schedules again around them."""
         pool = self.pool
         for key in self.awaited:  # waited for at an earlier layer, computed since: evictable once landed
             transfer = pool.transfer_of(key)
@@ -210,17 +213,14 @@ class TransferExperts:
                 pool.finish_loading(key)
         self.awaited = [k for k in self.awaited if pool.is_loading(k)]
         layer = msg.layer
-        needed = sorted({*msg.wait, *msg.ready, *msg.host})
         self.shared.visit = msg.visit
-        self.shared.running = frozenset()  # as in process: the policy sees the layer before its experts are pinned
-        for e in needed:
+        self.shared.running = frozenset((layer, e) for e in (*msg.wait, *msg.ready))
+        for e in (*msg.ready, *msg.wait):
             if pool.holds((layer, e)):
                 pool.touch((layer, e))
-        self.policy.before_layer(layer, None, needed)  # type: ignore[arg-type]  # no policy here reads it
         if not self.policy.fetch_after_host:
             for e in msg.host:
                 self.cancel((layer, e))
-        self.shared.running = frozenset((layer, e) for e in (*msg.wait, *msg.ready))
         for e in msg.wait:
             key = (layer, e)
             transfer = pool.transfer_of(key)
@@ -230,6 +230,9 @@ class TransferExperts:
                 self.blocked.append(key)
             self.awaited.append(key)
         self.retry()
+        needed = sorted({*msg.wait, *msg.ready, *msg.host})
+        self.policy.before_layer(layer, None, needed)  # type: ignore[arg-type]  # no policy here reads it
+        self.retry()  # the policy may have dropped prefetches a blocked demand can use
 
     def end_round(self, msg: RoundEnd) -> None:
         true = {layer: set(experts) for layer, experts in zip(msg.layers, msg.experts, strict=True)}

@@ -129,9 +129,14 @@ class TransferActor:
         log.info("transfer: sealed %s (shared memory and ipc directory unlinked, still mapped)", self.prefix)
 
     def wire_counters(self) -> dict[str, Any]:
-        """Frames received on the command socket, dropped per reason, refused per reason."""
+        """Frames received on the command socket, dropped per reason, refused per reason; the peers
+        connected to it; plan deltas the schedule dropped (rounds that had passed) or ignored (the
+        verifier schedules)."""
+        schedule = self.server.schedule
         return {"received": self.channel.received, "dropped": dict(self.channel.dropped),
-                "refused": dict(self.server.rejections)}
+                "refused": dict(self.server.rejections), "peers": self.peers(),
+                "plans_dropped": schedule.plans_dropped if schedule is not None else 0,
+                "plans_ignored": self.server.plans_ignored}
 
     def pid(self) -> int:
         """This worker's process id (fault-injection tests)."""

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import torch
 
+from specter.remote.residency import SharedIndex
 from specter.remote.segments import SharedSlotsError, new_prefix, unlink_prefix
 from specter.remote.shm import SharedSlots, SlotsHandle, SlotTimeout
 
@@ -200,6 +201,38 @@ def test_a_pinned_slot_is_not_overwritten(pool: SharedSlots) -> None:
     pool.release(2)
     pool.write(2, (1, 4), torch.zeros(16))
     assert pool.read(2)[0] == (1, 4)
+
+
+def test_try_pin_pins_only_an_unchanged_slot(pool: SharedSlots) -> None:
+    seq = pool.write(3, (0, 1), torch.ones(16))
+    assert pool.try_pin(3, seq) and pool.pinned(3)
+    assert not pool.begin_write(3)  # the writer leaves a pinned slot alone
+    pool.release(3)
+    assert not pool.pinned(3)
+    pool.write(3, (0, 2), torch.zeros(16))
+    assert not pool.try_pin(3, seq) and not pool.pinned(3)  # rewritten since seq: nothing pinned
+
+
+def test_the_shared_index_says_where_an_expert_is_and_when_it_was_used(pool: SharedSlots) -> None:
+    writer = SharedIndex(pool.handle.prefix, 3, 4, create=True)
+    reader = SharedIndex(pool.handle.prefix, 3, 4, create=False)
+    try:
+        assert reader.slot((2, 3)) is None
+        writer.set((2, 3), 5)
+        assert reader.slot((2, 3)) == 5 and reader.slot((2, 2)) is None
+        assert not writer.done((2, 3), 7)
+        reader.mark_done((2, 3), 7)  # the verifier's table
+        assert writer.done((2, 3), 7) and not writer.done((2, 3), 8)
+        writer.clear((2, 3))
+        assert reader.slot((2, 3)) is None
+        writer.set((0, 0), 1)
+        writer.clear_all()
+        assert reader.slot((0, 0)) is None
+        with pytest.raises(ValueError, match="expected at least one layer"):
+            SharedIndex(pool.handle.prefix + "x", 0, 4, create=True)
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_bad_names_and_handles_are_clear_errors(pool: SharedSlots) -> None:

@@ -125,10 +125,16 @@ class ScheduledExperts(OffloadedExperts):
         self.visit += 1
         self.remote.channel.send(LayerNeeds(layer, self.visit, wait, list(ready), on_host))
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for e in on_host:
-            outputs[e] = self._run_host(module, (layer, e), hidden, routes, top_k_weights)
-        for e, slot in ready.items():
-            outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)
+        pinned = dict(ready)  # ready experts whose slots are still pinned (``_run_slot`` unpins)
+        try:
+            for e in on_host:
+                outputs[e] = self._run_host(module, (layer, e), hidden, routes, top_k_weights)
+            for e, slot in ready.items():
+                del pinned[e]
+                outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)
+        finally:  # a failure must not leave a slot pinned: the copy thread would wait on it forever
+            for slot in pinned.values():
+                self.slots.release(slot)
         for e in wait:
             slot = self._await((layer, e))
             outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)

@@ -69,6 +69,10 @@ class SharedPool(SlotPool):
     def is_pinned(self, key: Key) -> bool:
         return key in self.where and self.in_use(key)
 
+    def unpinned_per_group(self) -> dict[int, int]:
+        return {g: sum(1 for s in slots if (k := self.owner[s]) is None or not self.in_use(k))
+                for g, slots in self.group_slots.items()}
+
     def evictable(self, layer: int, protect: Iterable[Key] = ()) -> list[Key]:
         return [k for k in super().evictable(layer, protect) if not self.in_use(k)]
 

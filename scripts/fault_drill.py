@@ -48,7 +48,8 @@ def main() -> int:
     tokenizer = load_tokenizer(Path(args.model))
     assert tokenizer is not None
     options = BatchOptions(args.model, args.draft, SlotConfig(fraction=0.5), LinkConfig.parse("sim:4"),
-                           policy="specter", window=4, timeout_s=args.timeout)
+                           policy="specter+fixed", window=4, timeout_s=args.timeout)  # every round drafts: a
+    # killed draft is always noticed (adaptive K may settle on 0, plain decoding, and never ask it again)
     start_local(2, log_to_driver=False)
     scratch = tempfile.TemporaryDirectory(prefix="specter-drill-")  # results files; removed at the end
     work = Path(scratch.name)

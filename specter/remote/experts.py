@@ -135,9 +135,11 @@ class ScheduledExperts(OffloadedExperts):
         finally:  # a failure must not leave a slot pinned: the copy thread would wait on it forever
             for slot in pinned.values():
                 self.slots.release(slot)
-        for e in wait:
-            slot = self._await((layer, e))
-            outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)
+        left = [(layer, e) for e in wait]
+        while left:  # each runs the moment it lands (the transfer actor may need a done slot for the next)
+            key, slot = self._await(left)
+            left.remove(key)
+            outputs[key[1]] = self._run_slot(module, key, slot, hidden, routes, top_k_weights)
         if on_host:
             self._finish_host([(layer, e) for e in on_host])
         final = torch.zeros_like(hidden)
@@ -187,29 +189,35 @@ class ScheduledExperts(OffloadedExperts):
                 link_t = eta
         return chosen
 
-    def _await(self, key: Key) -> int:
-        """Wait until ``key`` has landed in the slot the transfer actor gave it; returns it, pinned.
-        The time counts as waiting."""
+    def _await(self, keys: list[Key]) -> tuple[Key, int]:
+        """Wait until one of ``keys`` has landed in the slot the transfer actor gave it; returns it
+        and its slot, pinned. The time counts as waiting."""
         t0 = time.perf_counter()
         end = t0 + self.timeout
         idle = 0.0  # how long nothing has been due
         while True:
-            slot = self.index.slot(key)
             now = time.perf_counter()
-            if slot is not None:
+            soonest = end  # the earliest due time of a published one that has not landed yet
+            for key in keys:
+                slot = self.index.slot(key)
+                if slot is None:
+                    continue
                 got, seq = self.slots.read(slot)
-                if got == key:
-                    due = self.slots.due(slot)
-                    if due > now:
-                        WALL.wait_until(min(due, end))
-                    if self.slots.try_pin(slot, seq):
-                        self.slots.wait_copy(slot)
-                        self.counters.wait_s += time.perf_counter() - t0
-                        self._used[key] = (slot, seq)
-                        return slot
-                    continue  # claimed for another expert meanwhile: look up its new slot
+                if got != key:
+                    continue
+                due = self.slots.due(slot)
+                if due > now:
+                    soonest = min(soonest, due)
+                elif self.slots.try_pin(slot, seq):  # else claimed for another expert meanwhile
+                    self.slots.wait_copy(slot)
+                    self.counters.wait_s += time.perf_counter() - t0
+                    self._used[key] = (slot, seq)
+                    return key, slot
+            if soonest < end:
+                WALL.wait_until(soonest)  # one copy thread: nothing lands before it
+                continue
             if now >= end:
-                _late(key, self.timeout)
+                _late(keys[0], self.timeout)
             idle = nap(self.remote.counters, end, idle)
 
     def _run_slot(

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from tiny_models import noisy_copy
@@ -20,6 +21,7 @@ from specter.engine import Engine
 from specter.experts.slots import SlotPool
 from specter.models.loader import build_dense, load_store
 from specter.plan import make_policy
+from specter.plan.base import Policy
 from specter.protocol import LayerNeeds, PlanDelta, RoundStart, UsePolicy
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
@@ -30,9 +32,10 @@ from specter.remote.link import RemoteLink
 from specter.remote.policy import RemotePolicy
 from specter.remote.proposer import RemoteProposer
 from specter.remote.residency import SharedIndex
+from specter.remote.scheduler import TransferExperts
 from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shm import SharedSlots
-from specter.remote.transfer_server import NO_POLICY, OUT_OF_RANGE, TransferServer
+from specter.remote.transfer_server import NO_POLICY, OUT_OF_RANGE, SlotWriterLink, TransferServer
 from specter.target import OffloadedTarget, slot_groups
 from specter.timing.profiles import simulated_host
 
@@ -142,6 +145,13 @@ def replica(models) -> Iterator[Replica]:
         yield Replica(*models, stack)
 
 
+@pytest.fixture(scope="module")
+def same_replica(models) -> Iterator[Replica]:
+    """The target as its own draft: every round drafted ahead stands."""
+    with ExitStack() as stack:
+        yield Replica(models[0], models[0], stack)
+
+
 def _reference(folder: Path) -> list[int]:
     ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
     out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
@@ -178,10 +188,73 @@ def test_the_plans_reach_the_policy_in_the_transfer_actor(replica) -> None:
     assert schedule.plans_dropped == 0
 
 
+def test_plans_of_a_round_drafted_ahead_are_held_for_it(same_replica, models) -> None:
+    target = same_replica.target("specter+fixed")
+    schedule = same_replica.server.schedule
+    assert schedule is not None
+    held: list[int] = []  # plan deltas that came before their round started, handed over together
+    on_plans = schedule.policy.on_plans
+    schedule.policy.on_plans = lambda deltas: (held.append(len(deltas)), on_plans(deltas))  # type: ignore[method-assign]
+    seen: list[int] = []
+    on_plan = schedule.policy.on_plan
+    schedule.policy.on_plan = lambda delta: (seen.append(1), on_plan(delta))  # type: ignore[method-assign]
+    engine = Engine(target, window=4, proposer=same_replica.proposer, pipelined=True)
+    tokens, stats = engine.generate_fresh(PROMPT, NEW)
+    assert tokens == _reference(models[0])
+    assert stats.extra["ahead_kept"] == stats.extra["ahead_asked"] > 0  # every round drafted ahead stood
+    # each step's plan reached the policy: at once, or (drafted before its round started) held for it
+    assert len(seen) + sum(held) == stats.extra["drafted"] and schedule.plans_dropped == 0
+
+
+class _Spy(Policy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def on_plan(self, delta: PlanDelta) -> None:
+        self.calls.append(("plan", [delta.round]))
+
+    def on_plans(self, deltas: list[PlanDelta]) -> None:
+        self.calls.append(("plans", [d.round for d in deltas]))
+
+
+def test_the_schedule_holds_plans_a_few_rounds_ahead_and_drops_passed_ones(replica) -> None:
+    store = replica.store
+    prefix = new_prefix("spt-hold")
+    slots = SharedSlots.create(prefix, 4, store.shape.numel, store.shape.dtype)
+    counters = SharedCounters(prefix, create=True)
+    index = SharedIndex(prefix, max(store.layers) + 1, store.num_experts, create=True)
+    link = SlotWriterLink(slots, counters, LINK.bandwidth, LINK.latency)
+    spy = _Spy()
+    try:
+        schedule = TransferExperts(store, slots, index, link, {-1: 4}, spy, None)
+        schedule.begin_round(RoundStart(0, 10, 4))  # wire ids = engine ids + 10
+        delta = PlanDelta(10, 0, [store.layers[0]], [[1]], [[0.5]])
+        schedule.on_plan(delta)  # the running round: at once, with the engine's id
+        schedule.on_plan(msgspec.structs.replace(delta, round=11))  # the next round: held
+        schedule.on_plan(msgspec.structs.replace(delta, round=11, step=1))
+        schedule.on_plan(msgspec.structs.replace(delta, round=12))  # drafted ahead, then thrown away
+        schedule.on_plan(msgspec.structs.replace(delta, round=99))  # too far ahead: dropped
+        schedule.on_plan(msgspec.structs.replace(delta, round=9))  # a round that has passed: dropped
+        assert spy.calls == [("plan", [0])] and schedule.plans_dropped == 2
+        schedule.begin_round(RoundStart(1, 11, 4))
+        assert spy.calls[-1] == ("plans", [1, 1])  # held ones together, with the engine's id
+        schedule.begin_round(RoundStart(3, 13, 4))  # round 2 (wire 12) never started
+        assert schedule.plans_dropped == 3 and not schedule.early
+    finally:
+        link.close()
+        index.close()
+        slots.close()
+        slots.unlink()
+        counters.close()
+        unlink_prefix(prefix)
+
+
 def test_pipelined_through_the_transfer_schedule_is_exact_and_sampling_matches_in_process(replica, models) -> None:
     target = replica.target("specter+fixed")
-    tokens, _ = Engine(target, window=4, proposer=replica.proposer, pipelined=True).generate_fresh(PROMPT, NEW)
+    tokens, stats = Engine(target, window=4, proposer=replica.proposer, pipelined=True).generate_fresh(PROMPT, NEW)
     assert tokens == _reference(models[0])
+    assert stats.extra["ahead_asked"] > 0
     sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
     got, _ = Engine(target, window=4, proposer=replica.proposer, pipelined=False).generate_fresh(PROMPT, NEW, sampling)
     local = OffloadedTarget.load(models[0], BUDGET, LINK, policy="specter+fixed")

@@ -86,8 +86,9 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
 
 
 class PlanDelta(msgspec.Struct, frozen=True, array_like=True, tag="plan"):
-    """What the draft's routers picked at one draft step of one round (draft → verifier: the
-    verifier's policy schedules the transfers; the draft server sends one per step as it ends).
+    """What the draft's routers picked at one draft step of one round (draft → transfer, whose
+    policy schedules the transfers, and draft → verifier, for its prediction-recall figures and,
+    with the schedule in the verifier, its policy; the draft server sends one per step as it ends).
 
     Attributes:
         round: the speculative round this step belongs to (stale rounds are cancelled).

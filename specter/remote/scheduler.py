@@ -15,7 +15,9 @@ process; what the in-process executor tells a policy itself reaches it here as m
   demand priority, ahead of every prefetch (or promoted, when already queued), before the policy
   sees the layer (in process the policy goes first; here that would put its schedule between the
   verifier's miss and the copy); a demand that finds no free-able slot waits until a transfer into
-  its group lands (``retry``).
+  its group lands (``retry``). An expert the pass read or waited for is resident once it has landed
+  (``_reap``: in process the executor's wait on an expert in flight does that), so its slot is the
+  policy's to give up again once the pass is past its layer.
 
 Which slot each expert got goes to the shared index (``specter/remote/residency.py``); whether its
 bytes are in is the seq table's word, as before. A slot the verifier pins in the seq table is never
@@ -195,6 +197,7 @@ class TransferExperts:
             self.plans_dropped += 1
 
     def begin_round(self, msg: RoundStart) -> None:
+        self._reap()
         self.wire, self.offset = msg.wire, msg.wire - msg.round
         self.policy.window = msg.k
         self.policy.begin_round(msg.round)
@@ -211,34 +214,46 @@ class TransferExperts:
         """The pass is at ``msg.layer``: its demands go out first (the copy thread starts on them at
         once), then the policy sees the layer's routing and schedules again around them."""
         pool = self.pool
-        for key in self.awaited:  # waited for at an earlier layer, computed since: evictable once landed
-            transfer = pool.transfer_of(key)
-            if transfer is not None and transfer.done.is_set():
-                pool.finish_loading(key)
-        self.awaited = [k for k in self.awaited if pool.is_loading(k)]
+        self._reap()
         layer = msg.layer
         self.shared.visit = msg.visit
         self.shared.running = frozenset((layer, e) for e in (*msg.wait, *msg.ready))
-        for e in (*msg.ready, *msg.wait):
-            if pool.holds((layer, e)):
-                pool.touch((layer, e))
+        for e in msg.ready:  # read from its slot: a prefetch that landed is resident now (in process
+            key = (layer, e)  # the executor's wait on an expert in flight makes it so)
+            if pool.holds(key):
+                pool.touch(key)
+            if pool.is_loading(key):
+                self.awaited.append(key)
         if not self.policy.fetch_after_host:
             for e in msg.host:
                 self.cancel((layer, e))
         for e in msg.wait:
             key = (layer, e)
+            if pool.holds(key):
+                pool.touch(key)
             transfer = pool.transfer_of(key)
             if transfer is not None:
                 self.link.promote(transfer)
             elif not pool.holds(key) and key not in self.blocked:
                 self.blocked.append(key)
             self.awaited.append(key)
+        self._reap()  # those landed already (the rest once landed, at a later layer or the round's end)
         self.retry()
         needed = sorted({*msg.wait, *msg.ready, *msg.host})
         self.policy.before_layer(layer, None, needed)  # type: ignore[arg-type]  # no policy here reads it
         self.retry()  # the policy may have dropped prefetches a blocked demand can use
 
+    def _reap(self) -> None:
+        """Experts the verifier read or waited for, once landed, are resident (evictable again)."""
+        pool = self.pool
+        for key in self.awaited:
+            transfer = pool.transfer_of(key)
+            if transfer is not None and transfer.done.is_set():
+                pool.finish_loading(key)
+        self.awaited = [k for k in self.awaited if pool.is_loading(k)]
+
     def end_round(self, msg: RoundEnd) -> None:
+        self._reap()  # the last layers' experts, before the next round's plans are scheduled
         true = {layer: set(experts) for layer, experts in zip(msg.layers, msg.experts, strict=True)}
         self.policy.end_round(msg.round, msg.accepted, true)
 

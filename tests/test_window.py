@@ -14,12 +14,13 @@ from specter.plan import make_policy
 from specter.plan.window import CANDIDATES, START, WindowChooser
 
 
-def _true_cost(k: int, alpha: float, draft: float, verify) -> float:  # type: ignore[no-untyped-def]
+def _true_cost(k: int, alpha: float, draft: float, verify, fixed: float = 0.0) -> float:  # type: ignore[no-untyped-def]
     tokens = sum(alpha**i for i in range(k + 1))
-    return (k * draft + verify(k)) / tokens
+    return (k * draft + (fixed if k else 0.0) + verify(k)) / tokens
 
 
-def _drive(chooser: WindowChooser, rounds: int, alpha: float, draft: float, verify, seed: int = 0) -> list[int]:  # type: ignore[no-untyped-def]
+def _drive(chooser: WindowChooser, rounds: int, alpha: float, draft: float, verify, seed: int = 0,  # type: ignore[no-untyped-def]
+           fixed: float = 0.0) -> list[int]:
     rng = random.Random(seed)
     played = []
     for _ in range(rounds):
@@ -27,7 +28,7 @@ def _drive(chooser: WindowChooser, rounds: int, alpha: float, draft: float, veri
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
-        chooser.record(k, k * draft, verify(k), accepted)
+        chooser.record(k, k * draft + (fixed if k else 0.0), verify(k), accepted)
         played.append(k)
     return played
 
@@ -51,28 +52,51 @@ def test_first_a_plain_step_then_the_start_window_until_a_drafting_round_is_meas
     assert chooser.verify_s[START] == 2.0 and chooser.draft_s == pytest.approx(0.5 / START)
 
 
+def test_a_rounds_fixed_drafting_cost_is_told_from_the_per_forward_cost():
+    chooser = WindowChooser()
+    chooser.record(0, 0.0, 1.0, 0)
+    chooser.record(4, 3.0 + 0.5 * 4, 2.0, 4)  # after a plain step: not measured
+    assert chooser.draft_s is None
+    for k in (4, 4, 8, 16, 4, 12, 24, 8):  # drafting takes 3 s per round plus 0.5 s per forward
+        chooser.record(k, 3.0 + 0.5 * k, 2.0, k)
+    assert chooser.draft_s == pytest.approx(0.5) and chooser.round_s == pytest.approx(3.0)
+    tokens = chooser.expected_tokens(16)
+    assert chooser.estimate(16) == pytest.approx((3.0 + 0.5 * 16 + 2.0) / tokens)
+    assert chooser.estimate(0) == pytest.approx(1.0)  # a plain step drafts nothing, fixed part included
+
+
+def test_one_window_so_far_puts_the_drafting_time_per_forward():
+    chooser = WindowChooser()
+    chooser.record(0, 0.0, 1.0, 0)
+    for _ in range(4):
+        chooser.record(8, 4.0, 2.0, 8)
+    assert chooser.draft_s == pytest.approx(0.5) and chooser.round_s == 0.0
+
+
 def test_never_more_than_the_limit():
     chooser = WindowChooser()
     _drive(chooser, 20, 0.95, 0.01, lambda k: 1.0 + 0.01 * k)  # drafting pays: large K wanted
     assert all(chooser.choose(limit) <= limit for limit in (0, 1, 2, 5))
 
 
-@pytest.mark.parametrize(("name", "alpha", "draft", "verify"), [
+@pytest.mark.parametrize(("name", "alpha", "draft", "verify", "fixed"), [
     # a fast link: drafting costs about a target step and buys nothing; plain decoding wins
-    ("fast link", 0.9, 0.95, lambda k: 1.0 + 0.3 * k),
+    ("fast link", 0.9, 0.95, lambda k: 1.0 + 0.3 * k, 0.0),
     # a slow link: a plain step waits for its misses, drafting hides them; a long window wins
-    ("slow link", 0.9, 0.95, lambda k: 20.0 if k == 0 else 6.0 + 0.5 * k),
+    ("slow link", 0.9, 0.95, lambda k: 20.0 if k == 0 else 6.0 + 0.5 * k, 0.0),
     # a poor draft on a slow link: a short window wins
-    ("poor draft", 0.5, 0.95, lambda k: 12.0 if k == 0 else 4.0 + 0.8 * k),
+    ("poor draft", 0.5, 0.95, lambda k: 12.0 if k == 0 else 4.0 + 0.8 * k, 0.0),
+    # each drafting round costs 4 steps more than its forwards (a draft process waking): long windows
+    ("fixed round cost", 0.97, 0.5, lambda k: 9.0 if k == 0 else 4.0 + 0.1 * k, 4.0),
 ])
-def test_settles_where_the_true_cost_per_token_is_least(name, alpha, draft, verify):
+def test_settles_where_the_true_cost_per_token_is_least(name, alpha, draft, verify, fixed):
     chooser = WindowChooser()
-    played = _drive(chooser, 300, alpha, draft, verify)
-    costs = {k: _true_cost(k, alpha, draft, verify) for k in CANDIDATES if k <= 16}
+    played = _drive(chooser, 300, alpha, draft, verify, fixed=fixed)
+    costs = {k: _true_cost(k, alpha, draft, verify, fixed) for k in CANDIDATES if k <= 16}
     best = min(costs.values())
     late = played[100:]
     # what the chooser spent per token over its last 200 rounds, against always playing the best K
-    spent = sum(_true_cost(k, alpha, draft, verify) for k in late) / len(late)
+    spent = sum(_true_cost(k, alpha, draft, verify, fixed) for k in late) / len(late)
     assert spent <= 1.03 * best, (name, sorted(costs.items(), key=lambda kv: kv[1])[:3], late[-20:])
 
 

@@ -77,12 +77,7 @@ class OffloadedExperts:
 
     def cancel(self, key: Key) -> bool:
         """Drop a queued (not started) transfer of ``key`` and free its slot."""
-        transfer = self.pool.transfer_of(key)
-        if transfer is None or self.pool.is_pinned(key) or not self.link.cancel(transfer):
-            return False
-        self.pool.finish_loading(key)
-        self.pool.evict(key)
-        return True
+        return drop_queued(self.pool, self.link, key)
 
     def wait(self, key: Key) -> None:
         """Block until ``key``'s transfer has landed; the time counts as waiting."""
@@ -338,6 +333,17 @@ def expert_output(
     gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
     out = F.linear(module.act_fn(gate) * up, down)
     return token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(hidden.dtype)
+
+
+def drop_queued(pool: SlotPool, link: Link, key: Key) -> bool:
+    """Cancel ``key``'s transfer if it has not started (and its slot is not pinned), freeing the
+    slot; False when there is none to cancel or it is too late (the policies' ``Offload.cancel``)."""
+    transfer = pool.transfer_of(key)
+    if transfer is None or pool.is_pinned(key) or not link.cancel(transfer):
+        return False
+    pool.finish_loading(key)
+    pool.evict(key)
+    return True
 
 
 def initial_slots(pool: SlotPool, layers: list[int], num_experts: int) -> list[tuple[Key, int]]:

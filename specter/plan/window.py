@@ -2,12 +2,19 @@
 
 For a candidate K the expected time per committed token is
 
-    (f(K) · d + v(K)) / E(K),        E(K) = 1 + α + α² + … + α^K
+    (c + f(K) · d + v(K)) / E(K),        E(K) = 1 + α + α² + … + α^K
 
 where ``α`` is the per-position acceptance rate (one estimate serves every K), ``f(K)`` the draft
-forwards a round of K makes (K, plus one when the policy routes the last draft token), ``d`` one
-draft forward's time and ``v(K)`` the verify pass's time at K — its compute and whatever it waited
-for the link or the host, so the link's backlog and the prefetch the drafting bought are in it.
+forwards a round of K makes (K, plus one when the policy routes the last draft token), ``c + f(K)·d``
+a round's drafting time — a fixed part ``c`` (the first step feeds the tokens the last round
+committed; through the actors a request message, and a draft process waking from the verify
+pass) and ``d`` per forward — and ``v(K)`` the verify pass's time at K — its compute and whatever
+it waited for the link or the host, so the link's backlog and the prefetch the drafting bought
+are in it. ``c`` and ``d`` are a least-squares line through the rounds' (forwards, drafting
+seconds), weighted like the other estimates; while the rounds measured hardly differ in K the
+line is unknown and ``c`` is 0 (``d`` the seconds per forward). Folding ``c`` into ``d`` instead
+makes a short window look dearer per forward than it is and a long one cheaper: where ``c`` is
+large the chooser then drafts too little, which raises the per-forward figure further.
 K = 0 is plain decoding: no draft forward, one committed token, ``v(0)`` one decode step
 (with nothing prefetched, so it is measured on its own, never interpolated with drafting K).
 
@@ -43,6 +50,7 @@ ALPHA_MAX = 0.99
 BONUS = 0.05  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
 UNTRIED_BONUS = 0.1  # optimism for a K never measured (its v is interpolated)
 SETTLE = {False: 4, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
+SPREAD = 1.0  # the rounds' forwards must vary this much (variance) before c is told from d
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
 
 
@@ -55,7 +63,9 @@ class WindowChooser:
     """
 
     route_last: bool = False
-    draft_s: float | None = None  # one draft forward
+    draft_s: float | None = None  # one draft forward (d)
+    round_s: float = 0.0  # a drafting round's fixed part (c)
+    moments: tuple[float, float, float, float] | None = None  # averages of x, y, x², xy (x: forwards, y: seconds)
     verify_s: dict[int, float] = field(default_factory=dict)  # K → verify pass time
     accepted: float = ALPHA_PRIOR[0]
     tried: float = ALPHA_PRIOR[1]
@@ -86,7 +96,7 @@ class WindowChooser:
         verify = self._verify_estimate(k)
         if verify is None:
             return None
-        draft = self.forwards(k) * (self.draft_s or 0.0)
+        draft = self.forwards(k) * (self.draft_s or 0.0) + (self.round_s if k else 0.0)
         return (draft + verify) / self.expected_tokens(k)
 
     def choose(self, limit: int) -> int:
@@ -134,11 +144,26 @@ class WindowChooser:
         self.verify_s[k] = _average(self.verify_s.get(k), verify_s, self.samples[k])
         if k > 0:
             self.forward_samples += 1
-            self.draft_s = _average(self.draft_s, draft_s / self.forwards(k), self.forward_samples)
+            self._fit_draft(self.forwards(k), draft_s)
 
     def begin_request(self) -> None:
         """A request starts: its first round follows a prefill, so it measures nothing."""
         self.drafting, self.stint, self.stint_measured = None, 0, True
+
+    def _fit_draft(self, x: int, y: float) -> None:
+        """Update ``c`` and ``d`` with a round of ``x`` forwards that drafted for ``y`` seconds."""
+        sample = (x, y, x * x, x * y)
+        old = self.moments
+        self.moments = mx, my, mxx, mxy = sample if old is None else tuple(  # type: ignore[assignment]
+            _average(o, n, self.forward_samples) for o, n in zip(old, sample, strict=True))
+        spread = mxx - mx * mx  # the forwards' variance
+        slope = (mxy - mx * my) / spread if spread > SPREAD else -1.0
+        if slope >= 0.0 and my - slope * mx >= 0.0:
+            self.draft_s, self.round_s = slope, my - slope * mx
+        elif spread > SPREAD:  # the line would cross below the origin: the best one through it
+            self.draft_s, self.round_s = mxy / mxx, 0.0
+        else:  # the rounds hardly differ in K: all per forward
+            self.draft_s, self.round_s = my / mx, 0.0
 
     def _verify_estimate(self, k: int) -> float | None:
         if k in self.verify_s:

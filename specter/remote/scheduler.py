@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from specter.experts.executor import initial_slots
+from specter.experts.executor import drop_queued, initial_slots
 from specter.experts.host import HostCompute
 from specter.experts.link import DEMAND, Link, Transfer
 from specter.experts.slots import ChooseVictim, Key, SlotPool
@@ -142,12 +142,7 @@ class TransferExperts:
 
     def cancel(self, key: Key) -> bool:
         """Drop a queued (not started) transfer of ``key`` and free its slot."""
-        transfer = self.pool.transfer_of(key)
-        if transfer is None or self.pool.is_pinned(key) or not self.link.cancel(transfer):
-            return False
-        self.pool.finish_loading(key)
-        self.pool.evict(key)
-        return True
+        return drop_queued(self.pool, self.link, key)
 
     # -- residency ------------------------------------------------------------------------------
     def fill(self) -> list[tuple[Key, int]]:

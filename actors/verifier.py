@@ -30,6 +30,7 @@ from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import make_policy
+from specter.plan.window import WindowChooser
 from specter.protocol import Shutdown, UsePolicy
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
@@ -83,6 +84,9 @@ class VerifierActor:
         self.channels: list[Channel] = []
         self._requests = 0  # requests started since the actor started
         self._engine: Engine | None = None  # the running (or last) request's engine
+        # K choosers by (policy, pipelined): what a chooser measured survives a rebuild (the schedule
+        # moved) and is not mixed between the two modes (a round drafted ahead costs no drafting)
+        self._choosers: dict[tuple[str, bool], WindowChooser] = {}
 
     def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None) -> int:
         """Attach the shared slots, connect and handshake both channels, fill the initial slots.
@@ -159,7 +163,13 @@ class VerifierActor:
         if policy is not None and policy != self.policy_name:
             self._build(policy)
         assert self.target is not None, "connect() first"
-        k = self.target.offload.policy.default_window if window is None else window
+        policy_obj = self.target.offload.policy
+        k = policy_obj.default_window if window is None else window
+        if policy_obj.window_chooser() is not None:
+            key = (self.policy_name, pipelined)
+            if key not in self._choosers:
+                self._choosers[key] = WindowChooser(route_last=policy_obj.route_last_draft)
+            policy_obj.use_window_chooser(self._choosers[key])
         if k and self.proposer is None:
             raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")
         engine = Engine(self.target, window=k, proposer=self.proposer if k else None, untimed_prefill=untimed_prefill,

@@ -161,6 +161,8 @@ class Engine:
             trace.draft_s = self.clock.draft_charged - draft_mark  # type: ignore[attr-defined]
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
+        if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
+            stats.extra["chooser_rounds"] = sum(chooser.samples.values())
         if self.pipelined:
             proposer = self.proposer
             stats.extra["pipelined"] = True

@@ -66,6 +66,12 @@ class Policy:
             self._chooser = WindowChooser(route_last=self.route_last_draft)
         return self._chooser
 
+    def use_window_chooser(self, chooser: WindowChooser) -> None:
+        """Choose K with ``chooser`` from now on (what it measured before, on another instance of
+        this policy, stays learnt); ignored by a policy that does not adapt its window."""
+        if self.adaptive_window:
+            self._chooser = chooser
+
     def bind(self, offload: Offload) -> None:
         """Called once when the policy is attached to a target's experts."""
         self.offload = offload

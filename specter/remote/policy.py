@@ -45,6 +45,9 @@ class RemotePolicy(Policy):
     def window_chooser(self) -> WindowChooser | None:
         return self.local.window_chooser()
 
+    def use_window_chooser(self, chooser: WindowChooser) -> None:
+        self.local.use_window_chooser(chooser)
+
     def begin_request(self) -> None:
         self.channel.send(RequestStart())
 

@@ -107,6 +107,22 @@ def test_the_schedule_moves_between_the_transfer_actor_and_the_verifier(engine, 
     assert engine.link_counters()["rejected"] == 0
 
 
+def test_the_window_chooser_survives_a_schedule_move_and_is_kept_per_mode(engine) -> None:
+    """Moving the schedule rebuilds the verifier's target; what `specter`'s K chooser learnt stays,
+    and pipelined requests learn in a chooser of their own (a round drafted ahead costs no drafting)."""
+    def rounds(schedule: str, pipelined: bool) -> int:
+        out = engine.generate(PROMPT, NEW, policy="specter", window=4, schedule=schedule, pipelined=pipelined)
+        return out["stats"]["chooser_rounds"]
+
+    first = rounds("transfer", False)
+    moved = rounds("verifier", False)
+    assert first > 0 and moved > first  # learnt on, through the rebuild
+    alone = rounds("verifier", True)
+    assert 0 < alone < moved  # its own chooser: only its own request's rounds
+    assert rounds("transfer", False) > moved
+    engine.generate(PROMPT, NEW, policy="demand-lru", schedule="transfer")  # back to the module's default
+
+
 def test_sampling_through_actors_matches_in_process(engine, models) -> None:
     """Same seed, same draft generator, same K every round on both sides: the same sampled tokens
     (a K chosen from wall-clock timings, as plain `specter` does, would change which are drawn)."""

@@ -168,7 +168,7 @@ class VerifierActor:
         if policy_obj.window_chooser() is not None:
             key = (self.policy_name, pipelined)
             if key not in self._choosers:
-                self._choosers[key] = WindowChooser(route_last=policy_obj.route_last_draft)
+                self._choosers[key] = policy_obj.new_window_chooser()
             policy_obj.use_window_chooser(self._choosers[key])
         if k and self.proposer is None:
             raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")

@@ -16,6 +16,7 @@ from specter.engine import Engine
 from specter.experts.host import HostCompute
 from specter.experts.store import ExpertShape
 from specter.plan import POLICIES, drafts, make_policy
+from specter.plan.window import PLAIN_CACHED
 from specter.target import OffloadedTarget
 from specter.timing.profiles import PROFILES
 
@@ -138,3 +139,25 @@ def test_simulated_host_keeps_the_profiles_host_to_link_ratio(name):
         ratio = host.expert_s(expert_bytes, expert_flops, tokens) / (expert_bytes / link_bw)
         assert ratio == pytest.approx(profile.host_expert_s(tokens) / profile.link_expert_s)
     assert 0.2 < profile.eta < 0.4  # a server CPU reads an expert 3-5x faster than PCIe moves it
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_specters_plain_step_caches_its_host_experts_only_in_the_caching_arm(mixtral, caching):
+    """A plain step with host compute: the caching arm (``window.PLAIN_CACHED``) moves the host's
+    experts into slots when the link is idle, the plain arm moves nothing; tokens are the same."""
+    folder, expected, draft = mixtral
+    target = _load(folder, "specter", FAST_HOST, SlotConfig(experts=2))
+    chooser = target.offload.policy.window_chooser()
+    assert chooser is not None and chooser.cache_arm
+    plain = PLAIN_CACHED if caching else 0
+    chooser.verify_s = {0: 1.0, PLAIN_CACHED: 1.0, 4: 100.0}  # drafting looks far dearer: plain steps only
+    chooser.verify_s[plain] = 1e-6
+    chooser.samples = {k: 1 for k in chooser.verify_s}
+    try:
+        tokens, stats = Engine(target, draft, 4).generate_fresh(PROMPT, NEW)
+        assert target.offload.policy.fetches_when_idle() == caching
+    finally:
+        target.close()
+    assert tokens == expected
+    assert stats.extra["mean_window"] == 0 and stats.extra["host_experts"] > 0
+    assert (stats.bytes_moved > 0) == caching

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from specter.plan import make_policy
-from specter.plan.window import CANDIDATES, START, WindowChooser
+from specter.plan.window import CANDIDATES, PLAIN_CACHED, START, WindowChooser
 
 
 def _true_cost(k: int, alpha: float, draft: float, verify, fixed: float = 0.0) -> float:  # type: ignore[no-untyped-def]
@@ -111,3 +111,22 @@ def test_specter_adapts_its_window_and_the_oracle_and_fixed_variants_do_not():
     assert policy.window_chooser() is policy.window_chooser()
     assert make_policy("specter").window_chooser().forwards(4) == 4  # type: ignore[union-attr]
     assert make_policy("specter+last").window_chooser().forwards(4) == 5  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("cached_is_cheaper", [True, False])
+def test_the_plain_step_caches_where_that_measures_cheaper(cached_is_cheaper):
+    """Drafting does not pay; the plain step comes in two arms, plain and caching (its host-computed
+    experts moved into slots): the chooser settles on the one that measures cheaper."""
+    plain, cached = (1.0, 0.8) if cached_is_cheaper else (1.0, 1.3)
+    chooser = WindowChooser(cache_arm=True)
+    played = []
+    for _ in range(300):
+        k = chooser.choose(16)
+        arm = PLAIN_CACHED if chooser.caching else k
+        assert k == max(arm, 0)
+        verify = {0: plain, PLAIN_CACHED: cached}.get(arm, 3.0 + 0.5 * k)
+        chooser.record(k, 0.95 * k, verify, k // 2)
+        played.append(arm)
+    best = PLAIN_CACHED if cached_is_cheaper else 0
+    assert played[-100:].count(best) >= 95, played[-20:]
+    assert WindowChooser().choose(16) == 0 and PLAIN_CACHED not in CANDIDATES

@@ -250,7 +250,7 @@ class OffloadedExperts:
             if self.on_idle is not None and self.host.free_at > (now := self.clock.now()):
                 self.on_idle(self.host.free_at - now)
             self.host.finish()
-        if not (self.policy.fetch_after_host or (self.policy.fetch_when_idle and self._link_idle())):
+        if not (self.policy.fetch_after_host or (self.policy.fetches_when_idle() and self._link_idle())):
             return
         self.policy.fetch_later([key for key in on_host if not self.pool.holds(key)])
 

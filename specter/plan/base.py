@@ -63,8 +63,18 @@ class Policy:
         if not self.adaptive_window:
             return None
         if self._chooser is None:
-            self._chooser = WindowChooser(route_last=self.route_last_draft)
+            self._chooser = self.new_window_chooser()
         return self._chooser
+
+    def new_window_chooser(self) -> WindowChooser:
+        """A blank chooser for this policy: the caching plain step is an arm where the host computes."""
+        return WindowChooser(route_last=self.route_last_draft, cache_arm=self.host_compute)
+
+    def fetches_when_idle(self) -> bool:
+        """Whether an expert the host just computed moves into a slot when the link is idle as its
+        layer ends: always with ``+idlefetch``, else when the window chooser's plain step caches."""
+        chooser = self.window_chooser()
+        return self.fetch_when_idle or (chooser is not None and chooser.caching)
 
     def use_window_chooser(self, chooser: WindowChooser) -> None:
         """Choose K with ``chooser`` from now on (what it measured before, on another instance of

@@ -17,6 +17,13 @@ makes a short window look dearer per forward than it is and a long one cheaper: 
 large the chooser then drafts too little, which raises the per-forward figure further.
 K = 0 is plain decoding: no draft forward, one committed token, ``v(0)`` one decode step
 (with nothing prefetched, so it is measured on its own, never interpolated with drafting K).
+With ``cache_arm`` (a policy computing late experts on the host) plain decoding comes in two arms:
+K = 0 leaves the slots as they are (``demand-host``'s step: a host-computed expert is not cached),
+``PLAIN_CACHED`` also moves each host-computed expert into a slot when the link is idle as its layer
+ends (``caching``), so a large budget fills with what is used, as ``demand-lru``'s does. Which pays
+depends on the budget (cached experts evict others) and the link (a fetch started when idle can still
+delay the next demand transfer), so it is measured like any K: the cached arm starts from the plain
+step's cost, with the optimism an untried K gets.
 
 Each estimate is a moving average of the rounds measured (the mean of the first four, then an
 exponential one). A K not measured yet gets ``v`` from its measured neighbours (linear between two,
@@ -24,8 +31,11 @@ the nearest one's beyond them). The chooser plays the K of least estimated time 
 crediting each drafting K with an optimism bonus that shrinks with how often it was measured
 lately (counts decay per round): an untried or long-unplayed K whose estimate comes close gets
 played, so a cold first measurement (or a stale one) does not exclude a K for good. K = 0 gets
-none: what a plain step costs hardly changes while the run drafts, what drafting costs does. The very first round
-is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round was measured.
+none: what a plain step costs hardly changes while the run drafts, what drafting costs does — unless
+there are two plain arms, each living off what the other cached: then both get it. The very first
+round is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round was measured;
+that first round's time anchors ``v(0)`` but is no sample (it follows a prefill, so it is dear: kept
+as one, an unplayed plain arm looked dearer than it is for good).
 
 Only settled rounds measure costs: a stint of plain steps measures from its fifth round, a stint
 of drafting rounds from its second, and the first round of a request measures nothing (acceptance
@@ -33,7 +43,8 @@ counts from every drafting round: that is the draft's and the target's, whatever
 The first drafting round after plain steps verifies with nothing prefetched and feeds the draft
 every token it skipped; the first plain steps after drafting live off the drafting's prefetches:
 neither is what that K costs when it is kept, which is what the choice is about. Once the chooser
-switches between plain and drafting it stays until the new stint has measured a settled round.
+switches between plain and drafting (or between the plain arms) it stays until the new stint has
+measured a settled round.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ BONUS = 0.05  # optimism: a K measured n times (lately) is credited 1 - BONUS / 
 UNTRIED_BONUS = 0.1  # optimism for a K never measured (its v is interpolated)
 SETTLE = {False: 4, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
 SPREAD = 1.0  # the rounds' forwards must vary this much (variance) before c is told from d
+PLAIN_CACHED = -1  # the plain step that caches its host-computed experts (``cache_arm``)
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
 
 
@@ -60,9 +72,11 @@ class WindowChooser:
 
     Args:
         route_last: the policy runs one more draft forward per round to route the K-th token.
+        cache_arm: plain decoding may also cache its host-computed experts (``PLAIN_CACHED``).
     """
 
     route_last: bool = False
+    cache_arm: bool = False
     draft_s: float | None = None  # one draft forward (d)
     round_s: float = 0.0  # a drafting round's fixed part (c)
     moments: tuple[float, float, float, float] | None = None  # averages of x, y, x², xy (x: forwards, y: seconds)
@@ -72,10 +86,11 @@ class WindowChooser:
     measured: dict[int, float] = field(default_factory=dict)  # K → how often measured (decaying)
     samples: dict[int, int] = field(default_factory=dict)  # K → how often measured (ever)
     forward_samples: int = 0
-    drafting: bool | None = None  # whether the running stint drafts; None: a request starts
+    kind: int | None = None  # the running stint's: 1 drafting, 0 plain, PLAIN_CACHED; None: a request starts
     stint: int = 0  # rounds of that kind in a row so far
     stint_measured: bool = True  # the running stint has measured a settled round
     last: int | None = None  # the K chosen for the latest round
+    arm: int | None = None  # that choice: its K, or PLAIN_CACHED
 
     @property
     def alpha(self) -> float:
@@ -84,11 +99,11 @@ class WindowChooser:
 
     def forwards(self, k: int) -> int:
         """Draft forwards a round of K runs."""
-        return k + (1 if self.route_last and k else 0)
+        return k + 1 if self.route_last and k > 0 else max(k, 0)
 
     def expected_tokens(self, k: int) -> float:
         """Committed tokens a round of K yields on average: 1 + α + … + α^K."""
-        a = self.alpha
+        a, k = self.alpha, max(k, 0)
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def estimate(self, k: int) -> float | None:
@@ -96,43 +111,54 @@ class WindowChooser:
         verify = self._verify_estimate(k)
         if verify is None:
             return None
-        draft = self.forwards(k) * (self.draft_s or 0.0) + (self.round_s if k else 0.0)
+        draft = self.forwards(k) * (self.draft_s or 0.0) + (self.round_s if k > 0 else 0.0)
         return (draft + verify) / self.expected_tokens(k)
 
     def choose(self, limit: int) -> int:
-        """K for the next round, at most ``limit`` (the engine's cap and the tokens left)."""
-        options = [k for k in CANDIDATES if k <= limit]
+        """K for the next round, at most ``limit`` (the engine's cap and the tokens left); a plain
+        step (0) may be the caching arm (``caching``)."""
+        options = [k for k in CANDIDATES if k <= limit] + ([PLAIN_CACHED] if self.cache_arm else [])
         if 0 < limit < CANDIDATES[-1] and limit not in options:  # the request's last tokens
             options.append(limit)
         if not self.verify_s:  # first a plain step: v(0) anchors every K's estimate from below
-            k = 0
-        elif len(self.verify_s) == 1 and 0 in self.verify_s:
-            k = max(c for c in options if c <= START)
-        elif not self.stint_measured and self.last is not None:  # see a switch through until it measures
-            k = min(self.last, limit)
+            arm = 0
+        elif set(self.verify_s) <= {0, PLAIN_CACHED}:
+            arm = max(c for c in options if c <= START)
+        elif not self.stint_measured and self.arm is not None:  # see a switch through until it measures
+            arm = min(self.arm, limit)
         else:
-            k = min(options, key=lambda c: (self.score(c), c))
-        self.last = k
-        return k
+            arm = min(options, key=lambda c: (self.score(c), c))
+        self.arm, self.last = arm, max(arm, 0)
+        return self.last
+
+    @property
+    def caching(self) -> bool:
+        """The latest choice is the plain step that caches its host-computed experts."""
+        return self.arm == PLAIN_CACHED
 
     def score(self, k: int) -> float:
         """The estimate at K less its optimism bonus (what ``choose`` minimises)."""
         estimate = self.estimate(k)
         assert estimate is not None, "score() after a first round was recorded"
-        if k == 0:  # a plain step's cost hardly drifts while drafting: no optimism needed
-            return estimate
+        if k == 0 and not self.cache_arm:  # a plain step's cost hardly drifts while drafting: no optimism
+            return estimate  # (but the two plain arms' do: each lives off what the other cached)
         if k not in self.samples:  # never measured: only an interpolation, so more optimism
             return estimate * (1.0 - UNTRIED_BONUS)
         return estimate * (1.0 - BONUS / math.sqrt(self.measured.get(k, 0.0) + 1.0))
 
     def record(self, k: int, draft_s: float, verify_s: float, accepted: int) -> None:
-        """What a round of K measured: its drafting time, its verify pass time, tokens accepted."""
+        """What a round of K measured: its drafting time, its verify pass time, tokens accepted
+        (a plain round counts for the arm chosen for it)."""
+        if k == 0 and self.arm == PLAIN_CACHED:
+            k = PLAIN_CACHED
         if k > 0:  # acceptance is the draft's and the target's: any drafting round measures it
             self.accepted = DECAY * self.accepted + accepted
             self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
-        if self.drafting != (k > 0):
-            self.drafting, self.stint, self.stint_measured = k > 0, 0, False
-        settled = self.stint >= SETTLE[k > 0] or not self.verify_s
+        if self.kind != min(k, 1):
+            self.kind, self.stint, self.stint_measured = min(k, 1), 0, False
+        if not self.verify_s:  # the anchor (the first round of all) follows a prefill: not a sample
+            self.verify_s[k] = verify_s
+        settled = self.stint >= SETTLE[k > 0]
         self.stint += 1
         if not settled:
             return  # its costs are not what this K costs when kept
@@ -148,7 +174,7 @@ class WindowChooser:
 
     def begin_request(self) -> None:
         """A request starts: its first round follows a prefill, so it measures nothing."""
-        self.drafting, self.stint, self.stint_measured = None, 0, True
+        self.kind, self.stint, self.stint_measured = None, 0, True
 
     def _fit_draft(self, x: int, y: float) -> None:
         """Update ``c`` and ``d`` with a round of ``x`` forwards that drafted for ``y`` seconds."""
@@ -166,6 +192,8 @@ class WindowChooser:
             self.draft_s, self.round_s = my / mx, 0.0
 
     def _verify_estimate(self, k: int) -> float | None:
+        if k == PLAIN_CACHED and k not in self.verify_s:  # untried: what a plain step costs
+            k = 0
         if k in self.verify_s:
             return self.verify_s[k]
         below = [c for c in self.verify_s if 0 < c < k]  # a plain step is no neighbour of a drafting one

@@ -111,6 +111,10 @@ def test_specter_adapts_its_window_and_the_oracle_and_fixed_variants_do_not():
     assert policy.window_chooser() is policy.window_chooser()
     assert make_policy("specter").window_chooser().forwards(4) == 4  # type: ignore[union-attr]
     assert make_policy("specter+last").window_chooser().forwards(4) == 5  # type: ignore[union-attr]
+    # two plain arms only on request, and only where the host computes late experts
+    assert not make_policy("specter").window_chooser().cache_arm  # type: ignore[union-attr]
+    assert make_policy("specter+cachearm").window_chooser().cache_arm  # type: ignore[union-attr]
+    assert not make_policy("specter+nohost+cachearm").window_chooser().cache_arm  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("cached_is_cheaper", [True, False])

@@ -47,6 +47,7 @@ class Policy:
     host_compute = False  # a late expert is computed on the host when that finishes before it lands
     fetch_after_host = False  # an expert computed on the host is still moved into a slot, for later
     fetch_when_idle = False  # ... but only when the link is idle as the layer ends
+    cache_arm = False  # ``+cachearm``: the window chooser's plain step may cache its host experts (window.PLAIN_CACHED)
     value_order = False  # prefetch only the predicted experts worth their slot and link time (specter)
     adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
     pipelined = False  # ``+pipe``: the next round is drafted while this one is verified (``Engine``)
@@ -67,8 +68,8 @@ class Policy:
         return self._chooser
 
     def new_window_chooser(self) -> WindowChooser:
-        """A blank chooser for this policy: the caching plain step is an arm where the host computes."""
-        return WindowChooser(route_last=self.route_last_draft, cache_arm=self.host_compute)
+        """A blank chooser for this policy (with ``+cachearm`` and host compute, two plain arms)."""
+        return WindowChooser(route_last=self.route_last_draft, cache_arm=self.cache_arm and self.host_compute)
 
     def fetches_when_idle(self) -> bool:
         """Whether an expert the host just computed moves into a slot when the link is idle as its

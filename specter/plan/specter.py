@@ -23,8 +23,10 @@ next predicted use is furthest away.
 * Host compute: an expert the link would bring later than the host could compute it is computed
   on the host (its queued prefetch cancelled), and not cached: ``+fetch`` fetches it for later
   always, ``+idlefetch`` when the link is idle as the layer ends (in place of an expert needed
-  later still). ``docs/benchmark.md`` measures both: caching pays at large budgets and costs at
-  small ones, so neither is the default yet.
+  later still), ``+cachearm`` makes that a plain-step arm the window chooser measures like any K
+  (``window.PLAIN_CACHED``). ``docs/benchmark.md`` measures them: caching pays at large budgets and
+  costs at small ones, and measured per run the two plain arms' costs move more with the text than
+  with the arm (session 13), so none is the default yet.
 """
 
 from __future__ import annotations

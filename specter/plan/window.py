@@ -60,6 +60,7 @@ ALPHA_PRIOR = (3.0, 4.0)  # accepted, tried: a prior of α = 0.75 worth four pos
 ALPHA_MAX = 0.99
 BONUS = 0.05  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
 UNTRIED_BONUS = 0.1  # optimism for a K never measured (its v is interpolated)
+PLAIN_BONUS = 0.01  # optimism between the two plain arms, measured n times (lately): 1 - PLAIN_BONUS / sqrt(n + 1)
 SETTLE = {False: 4, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
 SPREAD = 1.0  # the rounds' forwards must vary this much (variance) before c is told from d
 PLAIN_CACHED = -1  # the plain step that caches its host-computed experts (``cache_arm``)
@@ -144,7 +145,8 @@ class WindowChooser:
             return estimate  # (but the two plain arms' do: each lives off what the other cached)
         if k not in self.samples:  # never measured: only an interpolation, so more optimism
             return estimate * (1.0 - UNTRIED_BONUS)
-        return estimate * (1.0 - BONUS / math.sqrt(self.measured.get(k, 0.0) + 1.0))
+        bonus = PLAIN_BONUS if k <= 0 else BONUS  # the plain arms differ by a few per cent at most
+        return estimate * (1.0 - bonus / math.sqrt(self.measured.get(k, 0.0) + 1.0))
 
     def record(self, k: int, draft_s: float, verify_s: float, accepted: int) -> None:
         """What a round of K measured: its drafting time, its verify pass time, tokens accepted

@@ -146,7 +146,7 @@ def test_specters_plain_step_caches_its_host_experts_only_in_the_caching_arm(mix
     """A plain step with host compute: the caching arm (``window.PLAIN_CACHED``) moves the host's
     experts into slots when the link is idle, the plain arm moves nothing; tokens are the same."""
     folder, expected, draft = mixtral
-    target = _load(folder, "specter+cachearm", FAST_HOST, SlotConfig(experts=2))
+    target = _load(folder, "specter+cachearm+nohindsight", FAST_HOST, SlotConfig(experts=2))
     chooser = target.offload.policy.window_chooser()
     assert chooser is not None and chooser.cache_arm
     plain = PLAIN_CACHED if caching else 0
@@ -161,3 +161,27 @@ def test_specters_plain_step_caches_its_host_experts_only_in_the_caching_arm(mix
     assert tokens == expected
     assert stats.extra["mean_window"] == 0 and stats.extra["host_experts"] > 0
     assert (stats.bytes_moved > 0) == caching
+
+
+@pytest.mark.parametrize("paid", [False, True])
+def test_specters_plain_step_caches_its_host_experts_when_such_swaps_paid(mixtral, paid):
+    """``hindsight_cache``: a plain step offers each host-computed expert as a swap for the expert
+    it would evict; it is cached only while such swaps paid (the tally), and every offer is a
+    pair the tally decides later by which of the two the routing uses first."""
+    folder, expected, draft = mixtral
+    target = _load(folder, "specter", FAST_HOST, SlotConfig(experts=2))
+    policy = target.offload.policy
+    chooser = policy.window_chooser()
+    assert chooser is not None and not chooser.cache_arm
+    chooser.verify_s = {0: 1e-6, 4: 100.0}  # drafting looks far dearer: plain steps only
+    chooser.samples = {0: 1, 4: 1}
+    policy.exchange.pays, policy.exchange.costs = (1e9, 0.0) if paid else (0.0, 1e9)  # decay cannot turn them
+    try:
+        tokens, stats = Engine(target, draft, 4).generate_fresh(PROMPT, NEW)
+    finally:
+        target.close()
+    assert tokens == expected
+    assert stats.extra["mean_window"] == 0 and stats.extra["host_experts"] > 0
+    assert (stats.bytes_moved > 0) == paid
+    decided = policy.exchange.pays + policy.exchange.costs
+    assert decided > 1e9 * 0.99**50 or policy.exchange.open > 0  # offers were made

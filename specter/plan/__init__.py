@@ -28,6 +28,7 @@ DRAFT_POLICIES = {SpecMoEOff.name, SpecterPaper.name, Specter.name, Oracle.name}
 OPTIONS = {"host": {"host_compute": True}, "nohost": {"host_compute": False, "fetch_after_host": False, "fetch_when_idle": False},
            "fetch": {"host_compute": True, "fetch_after_host": True}, "nofetch": {"fetch_after_host": False, "fetch_when_idle": False},
            "idlefetch": {"fetch_when_idle": True}, "cachearm": {"cache_arm": True},
+           "hindsight": {"hindsight_cache": True}, "nohindsight": {"hindsight_cache": False},
            "nolast": {"route_last_draft": False}, "last": {"route_last_draft": True},
            "fixed": {"adaptive_window": False}, "adapt": {"adaptive_window": True},
            "value": {"value_order": True}, "novalue": {"value_order": False},

@@ -48,6 +48,7 @@ class Policy:
     fetch_after_host = False  # an expert computed on the host is still moved into a slot, for later
     fetch_when_idle = False  # ... but only when the link is idle as the layer ends
     cache_arm = False  # ``+cachearm``: the window chooser's plain step may cache its host experts (window.PLAIN_CACHED)
+    hindsight_cache = False  # a plain step offers its host experts to ``fetch_later``, which caches them if that paid
     value_order = False  # prefetch only the predicted experts worth their slot and link time (specter)
     adaptive_window = False  # K is chosen per round (``specter/plan/window.py``); the window is its cap
     pipelined = False  # ``+pipe``: the next round is drafted while this one is verified (``Engine``)
@@ -73,9 +74,12 @@ class Policy:
 
     def fetches_when_idle(self) -> bool:
         """Whether an expert the host just computed moves into a slot when the link is idle as its
-        layer ends: always with ``+idlefetch``, else when the window chooser's plain step caches."""
+        layer ends: always with ``+idlefetch``, when the window chooser's plain step caches, and in a
+        plain step of a policy that decides in ``fetch_later`` (``hindsight_cache``)."""
         chooser = self.window_chooser()
-        return self.fetch_when_idle or (chooser is not None and chooser.caching)
+        if self.fetch_when_idle or (chooser is not None and chooser.caching):
+            return True
+        return self.hindsight_cache and chooser is not None and chooser.last == 0
 
     def use_window_chooser(self, chooser: WindowChooser) -> None:
         """Choose K with ``chooser`` from now on (what it measured before, on another instance of

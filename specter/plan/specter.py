@@ -41,6 +41,7 @@ import torch
 from specter.experts.slots import Key
 from specter.plan.base import Policy
 from specter.plan.draft_plans import RoundPlan
+from specter.plan.exchange import ExchangeTally
 from specter.plan.schedule import cancel_queued, prefetch
 from specter.protocol import PlanDelta
 
@@ -62,6 +63,7 @@ class Specter(Policy):
     fetch_when_idle = False  # ``+idlefetch``: see the module notes
     adaptive_window = True
     value_order = True  # prefetch only what is worth its link time (``select``)
+    hindsight_cache = True  # a plain step caches its host experts when such swaps paid (``fetch_later``)
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +80,7 @@ class Specter(Policy):
         self._round_k = 0  # the running round's K
         self._drafted = 0  # its draft steps done so far
         self._mark: float | None = None  # when the last draft step (or verify layer) started
+        self.exchange = ExchangeTally()  # whether caching a host-computed expert paid, in hindsight
 
     def bind(self, offload) -> None:  # type: ignore[no-untyped-def]
         super().bind(offload)
@@ -122,6 +125,7 @@ class Specter(Policy):
 
     def before_layer(self, layer: int, hidden: torch.Tensor, needed: list[int]) -> None:
         assert self.offload is not None
+        self.exchange.observe(layer, needed)
         self._tick(draft=False)
         self.current = self.position[layer]
         wanted = set(needed)
@@ -239,12 +243,38 @@ class Specter(Policy):
         return now + remaining * self._step_s + (self.position[key[0]]) * self._layer_s
 
     def fetch_later(self, keys: list[Key]) -> None:
-        """Host-computed experts go into slots only in place of ones needed later still."""
+        """Host-computed experts go into slots only in place of ones needed later still; in a
+        plain step (``hindsight_cache``) only when such a swap has paid lately (``exchange``)."""
         assert self.offload is not None
         self._rank = self.offload.pool.recency_rank()
         for key in keys:  # just used: the most recent of all
             self._rank[key] = len(self._rank)
+        if self.hindsight_cache and self._round_k == 0 and not (self.fetch_when_idle or self.fetch_after_host):
+            keys = self._worth_caching(keys)
         self._issued.update(prefetch(self.offload, keys, set(), self.next_use))
+
+    def _worth_caching(self, keys: list[Key]) -> list[Key]:
+        """Of ``keys``, those to cache: each goes into an empty slot, or is offered as a swap for the
+        expert it would evict (``ExchangeTally``: judged later, by which is used first) and cached
+        if such swaps have paid."""
+        assert self.offload is not None
+        pool, worth = self.offload.pool, self.exchange.worth()
+        empty: dict[int, int] = {}
+        victims: dict[int, list[Key]] = {}
+        chosen = []
+        for key in keys:
+            group = pool.group_of(key[0])
+            if group not in empty:
+                empty[group] = pool.empty_count(key[0])
+                victims[group] = sorted(pool.evictable(key[0], keys), key=self.next_use)
+            if empty[group] > 0:
+                empty[group] -= 1
+                chosen.append(key)
+            elif victims[group]:
+                self.exchange.propose(key, victims[group].pop())
+                if worth:
+                    chosen.append(key)
+        return chosen
 
     def next_use(self, key: Key) -> float:
         """Smaller is sooner. Fractional parts order experts within a layer."""

@@ -17,7 +17,7 @@ from specter.plan.window import WindowChooser
 from specter.protocol import FetchLater, PlanDelta, Replay, RequestStart, RoundEnd, RoundStart, VerifyStart
 from specter.remote.channel import Channel
 
-_FLAGS = ("name", "default_window", "route_last_draft", "host_compute", "fetch_after_host", "fetch_when_idle", "cache_arm",
+_FLAGS = ("name", "default_window", "route_last_draft", "host_compute", "fetch_after_host", "fetch_when_idle", "cache_arm", "hindsight_cache",
           "value_order", "adaptive_window", "pipelined", "needs_model")
 
 

@@ -146,7 +146,7 @@ def test_specters_plain_step_caches_its_host_experts_only_in_the_caching_arm(mix
     """A plain step with host compute: the caching arm (``window.PLAIN_CACHED``) moves the host's
     experts into slots when the link is idle, the plain arm moves nothing; tokens are the same."""
     folder, expected, draft = mixtral
-    target = _load(folder, "specter+cachearm+nohindsight", FAST_HOST, SlotConfig(experts=2))
+    target = _load(folder, "specter+cachearm", FAST_HOST, SlotConfig(experts=2))
     chooser = target.offload.policy.window_chooser()
     assert chooser is not None and chooser.cache_arm
     plain = PLAIN_CACHED if caching else 0

@@ -5,7 +5,9 @@ or off, ``fetch`` also moves a host-computed expert into a slot for later (impli
 ``nofetch`` does not; ``nolast`` skips the extra draft forward that routes the K-th token
 (``last`` runs it); ``fixed`` drafts the full window every round, ``adapt`` chooses each round's K
 (``specter/plan/window.py``); ``idlefetch`` fetches a host-computed expert for later when the link
-is idle; ``cachearm`` lets the K chooser measure a plain step that does so as an arm of its own; ``novalue`` / ``value`` turn specter's value-ordered prefetch off / on; ``pipe`` drafts the
+is idle; ``cachearm`` lets the K chooser measure a plain step that does so as an arm of its own (in
+place of ``hindsight``, ``specter``'s default: a plain step caches them while such swaps paid, judged
+on the routing that follows; ``nohindsight`` never); ``novalue`` / ``value`` turn specter's value-ordered prefetch off / on; ``pipe`` drafts the
 next round in the verify pass's waits (``specter.proposer.IdleProposer``; through the actors: in the
 draft actor), ``nopipe`` does not. E.g. ``specter+nohost`` is ``specter`` as it was before host
 compute, ``specter-paper+host`` the released algorithm with it, ``specter+fixed`` ours at one K.
@@ -27,7 +29,7 @@ POLICIES: dict[str, type[Policy]] = {
 DRAFT_POLICIES = {SpecMoEOff.name, SpecterPaper.name, Specter.name, Oracle.name}
 OPTIONS = {"host": {"host_compute": True}, "nohost": {"host_compute": False, "fetch_after_host": False, "fetch_when_idle": False},
            "fetch": {"host_compute": True, "fetch_after_host": True}, "nofetch": {"fetch_after_host": False, "fetch_when_idle": False},
-           "idlefetch": {"fetch_when_idle": True}, "cachearm": {"cache_arm": True},
+           "idlefetch": {"fetch_when_idle": True}, "cachearm": {"cache_arm": True, "hindsight_cache": False},
            "hindsight": {"hindsight_cache": True}, "nohindsight": {"hindsight_cache": False},
            "nolast": {"route_last_draft": False}, "last": {"route_last_draft": True},
            "fixed": {"adaptive_window": False}, "adapt": {"adaptive_window": True},

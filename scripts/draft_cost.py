@@ -2,8 +2,10 @@
 
     python scripts/draft_cost.py --threads 1,2 --num-prompts 3 --new-tokens 64
     python scripts/draft_cost.py --threads 1 --dtypes bfloat16,float32   # the draft's compute dtype
+    python scripts/draft_cost.py --threads 1 --steps eager,lean           # the one-token step's path
 
-Per torch thread count and draft compute dtype (interleaved by prompt, so load drifts hit every
+Per torch thread count, draft compute dtype and one-token step path (``lean``: ``draft/decode.py``,
+``eager``: transformers' forward; interleaved by prompt, so load drifts hit every
 setting alike):
 
 * ``target step`` — the target's all-resident decode step as the bench measures it (TPOT of a
@@ -34,7 +36,7 @@ import torch
 from specter import proposer as proposer_module
 from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SlotConfig
-from specter.draft.loading import load_draft
+from specter.draft.runner import DraftModel
 from specter.engine import Engine
 from specter.eval.bench import BenchConfig, load_target, resident_step_s
 from specter.eval.prompts import load_prompts
@@ -110,6 +112,8 @@ def main() -> int:
     parser.add_argument("--mode", default="dequant-cache", help="the draft's expert mode")
     parser.add_argument("--dtypes", default="float32",
                         help="the draft's compute dtypes to compare (float32 is its default on a CPU)")
+    parser.add_argument("--steps", default="lean",
+                        help="the draft's one-token step paths to compare: lean (its default), eager")
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
@@ -118,9 +122,15 @@ def main() -> int:
     bad = [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
     if bad:
         parser.error(f"--dtypes: not torch dtypes: {', '.join(bad)}")
-    settings = [(t, d) for t in threads for d in dtypes]
+    steps = [s for s in args.steps.split(",") if s]
+    if not steps or set(steps) - {"lean", "eager"}:
+        parser.error(f"--steps: expected lean and/or eager, got {args.steps!r}")
+    settings = [(t, d, s) for t in threads for d in dtypes for s in steps]
     prompts = load_prompts(args.model, None, args.num_prompts)
-    drafts = {d: load_draft(args.model + "-awq", mode=args.mode, dtype=getattr(torch, d)) for d in dtypes}
+    drafts = {
+        (d, s): DraftModel.load(args.model + "-awq", mode=args.mode, dtype=getattr(torch, d), lean=s == "lean")
+        for d in dtypes for s in steps
+    }
     config = BenchConfig(args.model, args.model + "-awq", prompts, [args.profile], ["specter+fixed"],
                          {}, new_tokens=args.new_tokens, budget=args.budget)
     torch.set_num_threads(1)
@@ -128,25 +138,26 @@ def main() -> int:
     timing = resolve_timing(args.model, "wall", args.profile, step_s=step_1)  # one link for every setting
     print(f"{args.profile} link at budget {args.budget:.0%}, K {args.window}, {args.mode}: {timing.describe()}")
     resident = OffloadedTarget.load(args.model, SlotConfig(fraction=1.0), LinkConfig(bandwidth=1e15, latency=0.0))
-    rows: dict[tuple[int, str], dict[str, list[float]]] = {s: defaultdict(list) for s in settings}
+    rows: dict[tuple[int, str, str], dict[str, list[float]]] = {s: defaultdict(list) for s in settings}
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        for t, d in settings if i % 2 == 0 else settings[::-1]:
+        for t, d, s in settings if i % 2 == 0 else settings[::-1]:
             torch.set_num_threads(t)
-            rows[(t, d)]["target step"].append(resident_step_s(args.model, prompt)[0])
-            rows[(t, d)]["target fwd"].append(isolated_forward_s(resident, prompt))
-            rows[(t, d)]["draft fwd"].append(isolated_forward_s(drafts[d], prompt))
-            for name, value in in_round(config, timing, drafts[d], prompt, args.window).items():
-                rows[(t, d)][name].append(value)
+            row = rows[(t, d, s)]
+            row["target step"].append(resident_step_s(args.model, prompt)[0])
+            row["target fwd"].append(isolated_forward_s(resident, prompt))
+            row["draft fwd"].append(isolated_forward_s(drafts[(d, s)], prompt))
+            for name, value in in_round(config, timing, drafts[(d, s)], prompt, args.window).items():
+                row[name].append(value)
         print(f"  prompt {i + 1}/{len(prompts)} ({time.perf_counter() - t0:.0f}s)", flush=True)
     resident.close()
     columns = ["target step", "target fwd", "draft fwd", "in round", "forward", "plan delta", "on_plan", "tpot"]
-    print("\n| threads | draft dtype | " + " | ".join(f"{c} ms" for c in columns) + " | in round / target step |")
-    print("| ---: | --- |" + " ---: |" * (len(columns) + 1))
-    for t, d in settings:
-        med = {c: statistics.median(rows[(t, d)][c]) for c in columns}
+    print("\n| threads | draft dtype | step | " + " | ".join(f"{c} ms" for c in columns) + " | in round / target step |")
+    print("| ---: | --- | --- |" + " ---: |" * (len(columns) + 1))
+    for t, d, s in settings:
+        med = {c: statistics.median(rows[(t, d, s)][c]) for c in columns}
         cells = " | ".join(f"{med[c] * 1e3:.2f}" for c in columns)
-        print(f"| {t} | {d} | {cells} | {med['in round'] / med['target step']:.2f}x |")
+        print(f"| {t} | {d} | {s} | {cells} | {med['in round'] / med['target step']:.2f}x |")
     return 0
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specter.draft.decode import LeanStep
 from specter.draft.format.published import Scheme, UnsupportedDraftFormat, quantized_modules, scheme_for
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
@@ -99,7 +100,10 @@ class DraftModel:
         last_routing: layer → (ids LongTensor (T, k), probs FloatTensor (T, k)) of the last forward.
     """
 
-    def __init__(self, loaded: LoadedModel, kernels: ExpertKernels, device: torch.device, packed_bytes: int):
+    def __init__(
+        self, loaded: LoadedModel, kernels: ExpertKernels, device: torch.device, packed_bytes: int,
+        lean: bool = True,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.kernels = kernels
@@ -116,11 +120,12 @@ class DraftModel:
             router.register_forward_hook(self._recorder(layer))
             for layer, router in router_modules(loaded.model).items()
         ]
+        self.lean = LeanStep.for_model(loaded.model, loaded.family.model_type) if lean else None
 
     @classmethod
     def load(
         cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto",
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None, lean: bool = True,
     ) -> DraftModel:
         """Load a quantized draft: a folder written by ``specter quantize``, or a published int4
         checkpoint of the target (AutoAWQ GEMM, GPTQ, compressed-tensors; ``format.published``).
@@ -133,6 +138,9 @@ class DraftModel:
                 weights (int4 codes and their scales, bf16 dense parts) are the same either way,
                 and fp32 holds each exactly; on a CPU bf16 matmuls cost more (a ``moe-fine-awq``
                 decode step, one thread: 6.87 ms in bf16, 4.75 ms in fp32, ``docs/draft.md``).
+            lean: take decode steps (not the prompt) through ``LeanStep`` (``draft/decode.py``: the same
+                operations without transformers' per-call machinery, bit for bit the same
+                logits) where the family allows; False keeps transformers' forward for every step.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None and device.type == "cpu":
@@ -163,7 +171,7 @@ class DraftModel:
             mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
         kernels = ExpertKernels(experts, mode, loaded.shape.dtype, device)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
-        draft = cls(loaded, kernels, device, packed_bytes)
+        draft = cls(loaded, kernels, device, packed_bytes, lean=lean)
         draft.timings = timings
         log.info(
             "draft %s: %s, experts %.2f MB packed, %.2f MB in compute form, dense %.2f MB",
@@ -196,7 +204,10 @@ class DraftModel:
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
         """Logits (fp32, ``(1, T, V)``) for ``input_ids`` (1, T) continuing ``cache``; sets ``last_routing``."""
         self.last_routing = {}
-        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=cache is not None)
+        input_ids = input_ids.to(self.device)
+        if self.lean is not None and self.lean.takes(input_ids, cache):
+            return self.lean(input_ids, cache).float()  # type: ignore[arg-type]
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None)
         return out.logits.float()
 
     def step(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> DraftStep:

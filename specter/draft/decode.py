@@ -1,0 +1,142 @@
+"""The draft's one-token decode step, without transformers' per-call machinery.
+
+A decode step of a small draft is mostly not arithmetic: on this project's CPU a one-token forward
+of ``moe-fine-awq`` spends about a quarter of its time in transformers' wrappers (input checks,
+output capture, the causal mask, ~90 module calls, the attention dispatch), none of which a
+decode step with a KV cache needs. ``LeanStep`` runs the same tensor operations in the same
+order on the modules' own weights — the layers' norms, attention and MoE block, the router and
+experts modules called as they are, so the routing hooks and the draft's experts runner see what
+they see in the eager forward — and the logits and routing are bit for bit the eager forward's
+(tests). It is the CPU's counterpart of capturing the draft step in a CUDA graph.
+
+It takes the families whose layers are pre-norm attention (q, k, v, o with optional bias and
+optional per-head q/k norms, rotary, full attention through SDPA) and an MoE block of router,
+experts and an optional gated shared expert: ``mixtral``, ``qwen2_moe``, ``qwen3_moe``. Other
+families, a sliding window, another attention implementation, and the prompt (an empty cache)
+take transformers' forward. Several tokens after a cache (a round's catch-up: the last draft token
+and the bonus) attend through the causal mask transformers builds for them, a boolean
+``(1, 1, T, past + T)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+LEAN_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+
+
+def _rms(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's forward (``weight * x / rms(x)``, computed in fp32) on its own weight."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _is_rms(module: Any) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+class LeanStep:
+    """``step(token_ids (1, T), cache) -> logits (1, T, V)`` for a supported draft model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.inner: Any = model.get_decoder()  # type: ignore[operator]
+        self.layers = list(self.inner.layers)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, model_type: str) -> LeanStep | None:
+        """A lean step for ``model``, or None where it must take transformers' forward."""
+        config: Any = model.config
+        if model_type not in LEAN_FAMILIES or config._attn_implementation != "sdpa":
+            return None
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+            return None
+        if getattr(config, "use_sliding_window", False) or (
+            model_type == "mixtral" and getattr(config, "sliding_window", None)
+        ):
+            return None
+        inner: Any = model.get_decoder()  # type: ignore[operator]
+        norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if not all(_is_rms(n) for n in norms):
+            return None
+        for layer in inner.layers:
+            attention = layer.self_attn
+            for name in ("q_norm", "k_norm"):
+                if hasattr(attention, name) and not _is_rms(getattr(attention, name)):
+                    return None
+        return cls(model)
+
+    def takes(self, input_ids: torch.Tensor, cache: DynamicCache | None) -> bool:
+        """Whether this step computes ``input_ids`` after ``cache`` (one sequence; a prompt does not)."""
+        return cache is not None and input_ids.shape[0] == 1 and (input_ids.shape[1] == 1 or cache.get_seq_length() > 0)
+
+    def __call__(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        if not self.takes(input_ids, cache):
+            raise ValueError(
+                f"input_ids: a lean step takes (1, T) tokens after a non-empty cache, or one token; got "
+                f"{tuple(input_ids.shape)} after {cache.get_seq_length()} cached positions"
+            )
+        tokens, past = input_ids.shape[1], cache.get_seq_length()
+        device = input_ids.device
+        positions = torch.arange(past, past + tokens, device=device)[None]
+        mask = None
+        if tokens > 1:  # what transformers' sdpa mask is for these positions: key j for query i iff j <= past + i
+            mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[0, :, None])[None, None]
+        hidden = self.inner.embed_tokens(input_ids)
+        cos, sin = self.inner.rotary_emb(hidden, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer in self.layers:
+            hidden = hidden + self._attention(
+                layer.self_attn, _rms(layer.input_layernorm, hidden), cos, sin, mask, cache
+            )
+            hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
+        return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
+
+    @staticmethod
+    def _attention(
+        attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        tokens = x.shape[1]
+        shape = (1, tokens, -1, attention.head_dim)
+        q = F.linear(x, attention.q_proj.weight, attention.q_proj.bias).view(shape)
+        k = F.linear(x, attention.k_proj.weight, attention.k_proj.bias).view(shape)
+        if hasattr(attention, "q_norm"):  # qwen3_moe: per head, before the rotation
+            q, k = _rms(attention.q_norm, q), _rms(attention.k_norm, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = F.linear(x, attention.v_proj.weight, attention.v_proj.bias).view(shape).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k, v = cache.update(k, v, attention.layer_idx)
+        out, _ = sdpa_attention_forward(attention, q, k, v, mask, dropout=0.0, scaling=attention.scaling)
+        return F.linear(out.reshape(1, tokens, -1), attention.o_proj.weight, attention.o_proj.bias)
+
+    @staticmethod
+    def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(mlp, "experts"):  # a dense layer (qwen2_moe's mlp_only_layers)
+            return mlp(x)  # type: ignore[no-any-return]
+        flat = x.view(x.shape[1], -1)
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:
+            shared_out = F.linear(
+                shared.act_fn(F.linear(flat, shared.gate_proj.weight)) * F.linear(flat, shared.up_proj.weight),
+                shared.down_proj.weight,
+            )
+        _, weights, ids = mlp.gate(flat)  # the router module: the draft's routing hook records it
+        out = mlp.experts(flat, ids, weights)
+        if shared is not None:
+            out = out + torch.sigmoid(F.linear(flat, mlp.shared_expert_gate.weight)) * shared_out
+        return out.view(x.shape)  # type: ignore[no-any-return]

@@ -1,0 +1,71 @@
+"""The draft's lean decode step (``draft/decode.py``) against transformers' own forward of the same draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specter.assets import DEFAULT_MODEL
+from specter.draft.decode import LEAN_FAMILIES
+from specter.draft.runner import DraftModel
+
+# Steps after the prompt: one token, a catch-up of two or three, and crops of a rejected suffix.
+_STEPS = (1, 1, 2, 1, 3, "crop", 1, 2, "crop", 1)
+
+
+def _same_steps(folder: str, dtype: torch.dtype, vocab: int, prompt_len: int = 7) -> None:
+    lean = DraftModel.load(folder, device="cpu", mode="dequant-cache", dtype=dtype)
+    eager = DraftModel.load(folder, device="cpu", mode="dequant-cache", dtype=dtype, lean=False)
+    assert lean.lean is not None and eager.lean is None
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen)
+    caches = {id(m): m.new_cache() for m in (lean, eager)}
+    for model in (lean, eager):
+        model.forward(prompt, caches[id(model)])
+    for at, step in enumerate(_STEPS):
+        if step == "crop":
+            for model in (lean, eager):
+                cache = caches[id(model)]
+                model.crop(cache, cache.get_seq_length() - 2)
+            continue
+        ids = torch.randint(0, vocab, (1, int(step)), generator=gen)
+        want, want_routing = eager.forward(ids, caches[id(eager)]), dict(eager.last_routing)
+        got, got_routing = lean.forward(ids, caches[id(lean)]), dict(lean.last_routing)
+        assert torch.equal(got, want), f"step {at} ({step} tokens): max |diff| {float((got - want).abs().max())}"
+        assert got_routing.keys() == want_routing.keys() and got_routing
+        for layer, (ids_want, probs_want) in want_routing.items():
+            assert torch.equal(got_routing[layer][0], ids_want) and torch.equal(got_routing[layer][1], probs_want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
+def test_lean_steps_are_transformers_forward_bit_for_bit(family, dtype, draft_dir) -> None:
+    """Logits and the routing the draft predicts with, step by step, equal transformers' forward."""
+    _same_steps(str(draft_dir(family, "awq")), dtype, vocab=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_steps_are_transformers_forward_bit_for_bit_on_the_shipped_model(dtype) -> None:
+    _same_steps(str(DEFAULT_MODEL) + "-awq", dtype, vocab=4096, prompt_len=20)
+
+
+def test_a_decode_step_does_not_enter_transformers_forward_and_a_prompt_does(draft_dir) -> None:
+    draft = DraftModel.load(draft_dir("qwen2_moe", "awq"), device="cpu", mode="dequant-cache")
+    calls: list[int] = []
+    draft.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    cache = draft.new_cache()
+    draft.forward(torch.tensor([[1, 2, 3]]), cache)  # the prompt: transformers' forward
+    assert calls == [1]
+    draft.forward(torch.tensor([[4]]), cache)
+    draft.forward(torch.tensor([[5, 6]]), cache)
+    assert calls == [1] and cache.get_seq_length() == 6
+    with pytest.raises(ValueError, match="input_ids"):
+        draft.lean(torch.tensor([[1, 2]]), draft.new_cache())  # type: ignore[misc]
+
+
+def test_other_families_take_transformers_forward(draft_dir) -> None:
+    draft = DraftModel.load(draft_dir("deepseek_v2", "awq"), device="cpu", mode="dequant-cache")
+    assert draft.lean is None
+    cache = draft.new_cache()
+    draft.forward(torch.tensor([[1, 2, 3]]), cache)
+    assert draft.forward(torch.tensor([[4]]), cache).shape == (1, 1, 128)

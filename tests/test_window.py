@@ -20,11 +20,11 @@ def _true_cost(k: int, alpha: float, draft: float, verify, fixed: float = 0.0) -
 
 
 def _drive(chooser: WindowChooser, rounds: int, alpha: float, draft: float, verify, seed: int = 0,  # type: ignore[no-untyped-def]
-           fixed: float = 0.0) -> list[int]:
+           fixed: float = 0.0, limit: int = 16) -> list[int]:
     rng = random.Random(seed)
     played = []
     for _ in range(rounds):
-        k = chooser.choose(16)
+        k = chooser.choose(limit)
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
@@ -98,6 +98,20 @@ def test_settles_where_the_true_cost_per_token_is_least(name, alpha, draft, veri
     # what the chooser spent per token over its last 200 rounds, against always playing the best K
     spent = sum(_true_cost(k, alpha, draft, verify, fixed) for k in late) / len(late)
     assert spent <= 1.03 * best, (name, sorted(costs.items(), key=lambda kv: kv[1])[:3], late[-20:])
+
+
+def test_a_draft_the_target_always_follows_gets_the_longest_window():
+    """Acceptance near 1 (a small model's greedy loops): the estimate of α must be allowed that
+    close to 1, or long windows look short of tokens. Here K 32 is 2.5 % cheaper per token than
+    K 24; with α capped at 0.99 (E(32) = 28.2 tokens instead of 33) the chooser settled at 24."""
+    verify = lambda k: 9.0 if k == 0 else 4.0 + 0.1 * k  # noqa: E731
+    chooser = WindowChooser()
+    played = _drive(chooser, 300, 1.0, 0.95, verify, limit=32)
+    costs = {k: _true_cost(k, 1.0, 0.95, verify) for k in CANDIDATES}
+    assert min(costs, key=costs.__getitem__) == 32 and costs[24] > 1.02 * costs[32]
+    late = played[100:]
+    spent = sum(_true_cost(k, 1.0, 0.95, verify) for k in late) / len(late)
+    assert spent <= 1.01 * costs[32], late[-20:]
 
 
 def test_specter_adapts_its_window_and_the_oracle_and_fixed_variants_do_not():

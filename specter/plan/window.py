@@ -57,7 +57,7 @@ START = 4  # the first drafting round's K (the first round of all is a plain ste
 EMA = 0.25  # weight of the newest round in v(K) and d, once four were measured
 DECAY = 0.95  # per round, on the acceptance counts (about the last 20 rounds weigh in)
 ALPHA_PRIOR = (3.0, 4.0)  # accepted, tried: a prior of α = 0.75 worth four positions
-ALPHA_MAX = 0.99
+ALPHA_MAX = 0.999  # a guard, not a prior: at 0.99 E(32) could not pass 28.2 tokens, and greedy loops accept ~all
 BONUS = 0.05  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
 UNTRIED_BONUS = 0.1  # optimism for a K never measured (its v is interpolated)
 PLAIN_BONUS = 0.01  # optimism between the two plain arms, measured n times (lately): 1 - PLAIN_BONUS / sqrt(n + 1)

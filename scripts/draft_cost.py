@@ -2,9 +2,9 @@
 
     python scripts/draft_cost.py --threads 1,2 --num-prompts 3 --new-tokens 64
     python scripts/draft_cost.py --threads 1 --dtypes bfloat16,float32   # the draft's compute dtype
-    python scripts/draft_cost.py --threads 1 --steps eager,lean           # the one-token step's path
+    python scripts/draft_cost.py --threads 1 --steps eager,lean           # the decode step's path
 
-Per torch thread count, draft compute dtype and one-token step path (``lean``: ``draft/decode.py``,
+Per torch thread count, draft compute dtype and decode-step path (``lean``: ``draft/decode.py``,
 ``eager``: transformers' forward; interleaved by prompt, so load drifts hit every
 setting alike):
 
@@ -115,7 +115,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32",
                         help="the draft's compute dtypes to compare (float32 is its default on a CPU)")
     parser.add_argument("--steps", default="lean",
-                        help="the draft's one-token step paths to compare: lean (its default), eager")
+                        help="the draft's decode-step paths to compare: lean (its default), eager")
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""The draft's one-token decode step, without transformers' per-call machinery.
+"""The draft's decode steps, without transformers' per-call machinery.
 
 A decode step of a small draft is mostly not arithmetic: on this project's CPU a one-token forward
 of ``moe-fine-awq`` spends about a quarter of its time in transformers' wrappers (input checks,

@@ -114,6 +114,22 @@ def test_a_draft_the_target_always_follows_gets_the_longest_window():
     assert spent <= 1.01 * costs[32], late[-20:]
 
 
+def test_a_window_not_played_lately_follows_the_texts_level():
+    """v(K) = level · shape(K): when the text turns dear while one K is played, another K's
+    estimate rises with it, where a table per K kept what K cost on the cheap text. With one K
+    played, the level and that K's shape share the change (their rates split it about evenly)."""
+    chooser = WindowChooser()
+    chooser.record(0, 0.0, 1.0, 0)
+    for k in (8, 8, 16, 8, 16, 8, 16, 8, 16):  # cheap text: verify 10 at K 8, 14 at K 16
+        chooser.record(k, 0.5 * k, 10.0 if k == 8 else 14.0, k)
+    assert chooser._verify_estimate(16) / chooser._verify_estimate(8) == pytest.approx(1.4, rel=0.05)
+    for _ in range(12):  # the text turns three times dearer; only K 16 is played
+        chooser.record(16, 8.0, 42.0, 16)
+    assert chooser._verify_estimate(16) == pytest.approx(42.0, rel=0.1)
+    assert 1.6 * 10.0 < chooser._verify_estimate(8) < 42.0
+    assert chooser.verify_s[8] == pytest.approx(10.0)  # what K 8 measured, kept as measured
+
+
 def test_specter_adapts_its_window_and_the_oracle_and_fixed_variants_do_not():
     assert make_policy("specter").window_chooser() is not None
     assert make_policy("specter+fixed").window_chooser() is None

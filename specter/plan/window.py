@@ -26,8 +26,15 @@ delay the next demand transfer), so it is measured like any K: the cached arm st
 step's cost, with the optimism an untried K gets.
 
 Each estimate is a moving average of the rounds measured (the mean of the first four, then an
-exponential one). A K not measured yet gets ``v`` from its measured neighbours (linear between two,
-the nearest one's beyond them). The chooser plays the K of least estimated time per token after
+exponential one). A drafting K's verify time moves with the text as much as with K (a stretch of
+text whose experts the link cannot keep up with makes every K dear), and a K not played lately
+would keep what it cost on other text. So ``v(K) = level · shape(K)``: every settled drafting round
+moves the ``level`` (the verify time the text costs now, ``LEVEL_EMA``), and a round of K moves K's
+``shape`` (its verify time over the level it was measured against): Ks played at different times
+are compared closer to the same text. While one K is played alone nothing tells the text's change
+from K's, and the level and K's shape share it (at these rates about evenly): a K not played lately
+follows the text about half way, where a table per K did not follow it at all. A K whose shape is not measured yet gets it from its measured
+neighbours (linear between two, the nearest one's beyond them); plain steps keep their own averages. The chooser plays the K of least estimated time per token after
 crediting each drafting K with an optimism bonus that shrinks with how often it was measured
 lately (counts decay per round): an untried or long-unplayed K whose estimate comes close gets
 played, so a cold first measurement (or a stale one) does not exclude a K for good. K = 0 gets
@@ -54,7 +61,8 @@ from dataclasses import dataclass, field
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 START = 4  # the first drafting round's K (the first round of all is a plain step, K = 0)
-EMA = 0.25  # weight of the newest round in v(K) and d, once four were measured
+EMA = 0.25  # weight of the newest round in v(K), K's shape and d, once four were measured
+LEVEL_EMA = 0.3  # weight of the newest drafting round in the level of the verify time
 DECAY = 0.95  # per round, on the acceptance counts (about the last 20 rounds weigh in)
 ALPHA_PRIOR = (3.0, 4.0)  # accepted, tried: a prior of α = 0.75 worth four positions
 ALPHA_MAX = 0.999  # a guard, not a prior: at 0.99 E(32) could not pass 28.2 tokens, and greedy loops accept ~all
@@ -81,7 +89,9 @@ class WindowChooser:
     draft_s: float | None = None  # one draft forward (d)
     round_s: float = 0.0  # a drafting round's fixed part (c)
     moments: tuple[float, float, float, float] | None = None  # averages of x, y, x², xy (x: forwards, y: seconds)
-    verify_s: dict[int, float] = field(default_factory=dict)  # K → verify pass time
+    verify_s: dict[int, float] = field(default_factory=dict)  # K → verify pass time (averaged as measured)
+    level: float | None = None  # the verify time of shape 1 on the text of late (drafting rounds)
+    shape: dict[int, float] = field(default_factory=dict)  # drafting K → its verify time over the level
     accepted: float = ALPHA_PRIOR[0]
     tried: float = ALPHA_PRIOR[1]
     measured: dict[int, float] = field(default_factory=dict)  # K → how often measured (decaying)
@@ -173,6 +183,7 @@ class WindowChooser:
         if k > 0:
             self.forward_samples += 1
             self._fit_draft(self.forwards(k), draft_s)
+            self._fit_level(k, verify_s)
 
     def begin_request(self) -> None:
         """A request starts: its first round follows a prefill, so it measures nothing."""
@@ -193,22 +204,45 @@ class WindowChooser:
         else:  # the rounds hardly differ in K: all per forward
             self.draft_s, self.round_s = my / mx, 0.0
 
+    def _fit_level(self, k: int, verify_s: float) -> None:
+        """Update the level and K's shape with a settled drafting round of K."""
+        if self.level is None:  # the first: its K is the unit of shape
+            self.level, self.shape[k] = verify_s, 1.0
+            return
+        shape = self._shape(k)
+        assert shape is not None  # some K has a shape once the level is set
+        self.shape[k] = _average(self.shape.get(k), verify_s / self.level, self.samples[k])
+        self.level = (1 - LEVEL_EMA) * self.level + LEVEL_EMA * verify_s / shape
+
+    def _shape(self, k: int) -> float | None:
+        return _between(self.shape, k)
+
     def _verify_estimate(self, k: int) -> float | None:
+        if k > 0 and self.level is not None:
+            return self.level * self._shape(k)  # type: ignore[operator]
         if k == PLAIN_CACHED and k not in self.verify_s:  # untried: what a plain step costs
             k = 0
         if k in self.verify_s:
             return self.verify_s[k]
-        below = [c for c in self.verify_s if 0 < c < k]  # a plain step is no neighbour of a drafting one
-        above = [c for c in self.verify_s if c > k]
-        if not below and not above:
-            return None
-        if not below:
-            return self.verify_s[min(above)]
-        if not above:
-            return self.verify_s[max(below)]
-        lo, hi = max(below), min(above)
-        t = (k - lo) / (hi - lo)
-        return (1 - t) * self.verify_s[lo] + t * self.verify_s[hi]
+        # from the drafting Ks measured: a plain step is no neighbour of a drafting one
+        return _between({c: v for c, v in self.verify_s.items() if c > 0}, k)
+
+
+def _between(table: dict[int, float], k: int) -> float | None:
+    """``table[k]``, else linear between its measured neighbours, the nearest one's beyond them."""
+    if k in table:
+        return table[k]
+    below = [c for c in table if c < k]
+    above = [c for c in table if c > k]
+    if not below and not above:
+        return None
+    if not below:
+        return table[min(above)]
+    if not above:
+        return table[max(below)]
+    lo, hi = max(below), min(above)
+    t = (k - lo) / (hi - lo)
+    return (1 - t) * table[lo] + t * table[hi]
 
 
 def _average(old: float | None, new: float, n: int) -> float:

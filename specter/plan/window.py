@@ -33,16 +33,17 @@ moves the ``level`` (the verify time the text costs now, ``LEVEL_EMA``), and a r
 ``shape`` (its verify time over the level it was measured against): Ks played at different times
 are compared closer to the same text. While one K is played alone nothing tells the text's change
 from K's, and the level and K's shape share it (at these rates about evenly): a K not played lately
-follows the text about half way, where a table per K did not follow it at all. A K whose shape is not measured yet gets it from its measured
-neighbours (linear between two, the nearest one's beyond them); plain steps keep their own averages. The chooser plays the K of least estimated time per token after
-crediting each drafting K with an optimism bonus that shrinks with how often it was measured
-lately (counts decay per round): an untried or long-unplayed K whose estimate comes close gets
-played, so a cold first measurement (or a stale one) does not exclude a K for good. K = 0 gets
-none: what a plain step costs hardly changes while the run drafts, what drafting costs does — unless
-there are two plain arms, each living off what the other cached: then both get it. The very first
-round is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round was measured;
-that first round's time anchors ``v(0)`` but is no sample (it follows a prefill, so it is dear: kept
-as one, an unplayed plain arm looked dearer than it is for good).
+follows the text about half way, where a table per K did not follow it at all. A K whose shape is
+not measured yet gets it from its measured neighbours (linear between two, the nearest one's beyond
+them); plain steps keep their own averages. The chooser plays the K of least estimated time per
+token after crediting each drafting K with an optimism bonus that shrinks with how often it was
+measured lately (counts decay per round): an untried or long-unplayed K whose estimate comes close
+gets played, so a cold first measurement (or a stale one) does not exclude a K for good. K = 0 gets
+none: what a plain step costs hardly changes while the run drafts, what drafting costs does —
+unless there are two plain arms, each living off what the other cached: then both get it. The
+very first round is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round
+was measured; that first round's time anchors ``v(0)`` but is no sample (it follows a prefill, so
+it is dear: kept as one, an unplayed plain arm looked dearer than it is for good).
 
 Only settled rounds measure costs: a stint of plain steps measures from its fifth round, a stint
 of drafting rounds from its second, and the first round of a request measures nothing (acceptance

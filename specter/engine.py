@@ -48,6 +48,8 @@ class _Tally:
     used: int = 0  # experts the verify pass used
     windows: list[int] = field(default_factory=list)  # every round's K (0: a plain decode step)
     last: tuple[float, float] = (0.0, 0.0)  # the latest round's drafting and verify seconds
+    costs: tuple[float, float] = (0.0, 0.0)  # the same as the K chooser learns them (``_round``)
+    carried: float = 0.0  # seconds the latest verify pass spent drafting the next round, which stands
 
 
 class Engine:
@@ -127,8 +129,7 @@ class Engine:
         self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
         costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
-        # (not pipelined: a round drafted in the verify pass's waits overlaps what the bound adds up)
-        trace = self.target.offload.start_trace() if costs is not None and not self.pipelined else None
+        trace = self.target.offload.start_trace() if costs is not None else None
         draft_mark = getattr(self.clock, "draft_charged", 0.0)
         round_id = 0
         chooser = self.policy.window_chooser() if self.proposer is not None else None
@@ -148,7 +149,7 @@ class Engine:
             ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
             new, planned, stands = self._round(round_id, seq, tcache, k, sampling, gen, tally, standing, ahead_limit)
             if chooser is not None:
-                chooser.record(k, tally.last[0], tally.last[1], len(new) - 1)
+                chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1)
             seq += _until_eos(new[:remaining], eos_token_id)
             commits += [self.clock.now()] * len(new[:remaining])
             self.committed = len(seq) - len(prompt_ids)
@@ -158,7 +159,11 @@ class Engine:
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)
         if trace is not None and costs is not None:
             self.target.offload.trace = None
-            trace.draft_s = self.clock.draft_charged - draft_mark  # type: ignore[attr-defined]
+            # Pipelined, a round drafted in the verify pass's waits still takes the device (one
+            # clock), so the bound adds it up like any draft; one thrown away is not part of the
+            # rounds the run committed, and leaving it out keeps the bound below any schedule of them.
+            thrown = getattr(self.proposer, "thrown_s", 0.0)
+            trace.draft_s = self.clock.draft_charged - draft_mark - thrown  # type: ignore[attr-defined]
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
@@ -252,6 +257,11 @@ class Engine:
             tally.drafted += len(drafts)
             _score(tally, predicted, true)
         stands = bool(ahead) and cast(PipelinedProposer, self.proposer).ahead_stands(n == len(drafts), nxt)
+        # What the K chooser learns: the steps this verify pass drafted for a round that stands are
+        # that round's drafting, not this pass's verify time (in process they ran on this clock).
+        moved = getattr(self.proposer, "stood_s", 0.0) if stands else 0.0
+        tally.costs = (tally.last[0] + tally.carried, tally.last[1] - moved)
+        tally.carried = moved
         return drafts[:n] + [nxt], (ahead if ahead_limit > 0 else None), stands
 
     def _draft(

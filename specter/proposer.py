@@ -209,11 +209,13 @@ class _Ahead:
     after: list[int]  # the drafts of the round it follows (its guess comes from their last)
     cached: int  # the draft cache's length before it (to undo it)
     gen_state: torch.Tensor  # the draft generator's state before it
+    charged: float  # the clock's draft seconds charged before it (what throwing it away wastes)
     bonus: int | None = None  # the draft's guess of the target's next token (once guessed)
     pending: list[int] = field(default_factory=list)  # what its next step feeds
     drafts: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     deltas: list[PlanDelta] = field(default_factory=list)  # held until the round stands
+    spent: float = 0.0  # clock seconds its steps took in the verify pass's waits
 
 
 class IdleProposer(LocalProposer):
@@ -239,14 +241,17 @@ class IdleProposer(LocalProposer):
         self._keep: int | None = None  # a rollback asked for while a round was open
         self.step_s: float | None = None  # a draft step's clock seconds, EMA
         self.stand_rate = 0.5  # how often a round drafted ahead (and begun) stood, EMA
+        self.stood_s = 0.0  # the clock seconds the latest round judged to stand took in the waits
         # rounds opened ahead (a round no wait began is opened and never stands), of them stood,
         # plan deltas of thrown-away ones; draft steps taken in waits
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
         self.ahead_steps = 0
+        self.thrown_s = 0.0  # draft seconds the clock charged to rounds drafted ahead and thrown away
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         self._open, self._keep = None, None
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = self.ahead_steps = 0
+        self.thrown_s = 0.0
         super().prefill(prompt_ids, sampling)
 
     def propose(  # type: ignore[override]
@@ -274,6 +279,7 @@ class IdleProposer(LocalProposer):
             t0 = self.clock.now()
             self._step(opened, hold=True)
             spent = self.clock.now() - t0
+            opened.spent += spent
             self.ahead_steps += 1
             self._time_step(spent)
             seconds -= spent
@@ -288,6 +294,7 @@ class IdleProposer(LocalProposer):
     def ahead_stands(self, all_accepted: bool, token: int) -> bool:
         opened = self._open
         stands = opened is not None and opened.bonus is not None and all_accepted and token == opened.bonus
+        self.stood_s = opened.spent if stands and opened is not None else 0.0
         if opened is not None and opened.bonus is not None:  # begun: it teaches how often one stands
             self.stand_rate = 0.2 * stands + 0.8 * self.stand_rate
         if not stands:
@@ -316,7 +323,7 @@ class IdleProposer(LocalProposer):
 
     def _open_next(self, round_id: int, k: int, after: list[int], route_last: bool) -> None:
         if k and after and not route_last:  # route_last rounds are not drafted ahead
-            self._open = _Ahead(round_id, k, after, self.cached, self.gen.get_state())
+            self._open = _Ahead(round_id, k, after, self.cached, self.gen.get_state(), self._charged())
             self.ahead_asked += 1
 
     def _step(self, opened: _Ahead, hold: bool) -> PlanDelta:
@@ -341,7 +348,11 @@ class IdleProposer(LocalProposer):
         if opened is None:
             return
         self.ahead_dropped += len(opened.deltas)
+        self.thrown_s += self._charged() - opened.charged
         self.restore(opened.cached, opened.gen_state)  # no round is open now: rollback acts at once
+
+    def _charged(self) -> float:
+        return float(getattr(self.clock, "draft_charged", 0.0))  # the virtual clock's; 0 elsewhere
 
     def _time_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.25 * seconds + 0.75 * self.step_s

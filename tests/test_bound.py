@@ -84,7 +84,7 @@ def test_no_policy_beats_its_bound(models, rho, budget, temperature):
     folder, draft = models
     timing = resolve_timing(str(folder), "virtual", "qwen2moe-pcie4", rho=rho)
     sampling = SamplingConfig(temperature=temperature, top_p=0.95 if temperature else 1.0)
-    for name in [*POLICIES, "specter+fixed", "specter+fetch"]:
+    for name in [*POLICIES, "specter+fixed", "specter+fetch", "specter+pipe", "specter-paper+host+pipe"]:
         target = OffloadedTarget.load(folder, SlotConfig(fraction=budget), timing.link, policy=name,
                                       clock=timing.make_clock())
         target.offload.set_host(timing.host)

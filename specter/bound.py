@@ -11,16 +11,21 @@ the cost model, no schedule of those passes, even one that knows the future, fin
   Each of them is moved (one transfer's time ``τ`` on the link, which moves one at a time) or
   computed on the host; ``j`` of them on the host take at least ``H_j``, the sum of the ``j``
   smallest host times of any expert use of the run.
-* **The device and the host.** The device runs the drafts and every layer's dense part (``D``) and
-  the experts it computes; the host's experts of a layer must be done before the layer ends, and
-  the host runs one at a time. With ``A`` the device time of every needed expert and ``r`` the
-  least host/device time ratio of any of them, a schedule giving the host ``H`` seconds of expert
-  work saves the device at most ``H / r`` of it, and the layers last at least
-  ``D + max(A − H/r, H)`` in all (summing each layer's ``max`` is at least the ``max`` of the sums).
-  That is least at ``H* = A·r/(1+r)`` and grows beyond it.
+* **The device and the host.** The device runs the drafts (``W``), every layer's dense part
+  (``L``) and the experts it computes; the host's experts of a layer are computed once its dense
+  part has run and must be done before the layer ends, and the host runs one at a time. With ``A``
+  the device time of every needed expert and ``r`` the least host/device time ratio of any of them,
+  a schedule giving the host ``H`` seconds of expert work saves the device at most ``H / r`` of it,
+  so the device is busy at least ``W + L + A − H/r``. The host's work lies between its layers'
+  dense parts, so the passes last at least ``L + H``; and unpipelined nothing drafts while the
+  host works, so the run lasts at least ``W + L + H`` too. Pipelined (``Trace.pipelined``: the
+  next round drafted in the verify pass's waits) a draft step may run while the host computes, and
+  only the first two hold. In all, ``g(H) = max(W + L + A − H/r, G + H)`` with ``G = W + L``
+  unpipelined and ``G = L`` pipelined, least at ``H* = (W + L − G + A)·r/(1+r)`` and growing beyond
+  it.
 
-So ``TPOT · (N − 1) ≥ min_j max(D + f(max(H_j, H*)), (M − j)·τ)``, ``f(H) = max(A − H/r, H)``,
-over the decode's ``N − 1`` token intervals. It ignores that routing is only known when a layer runs,
+So ``TPOT · (N − 1) ≥ min_j max(g(max(H_j, H*)), (M − j)·τ)`` over the decode's ``N − 1`` token
+intervals. It ignores that routing is only known when a layer runs,
 that transfers and compute must interleave and that a layer's experts are pinned while it runs —
 each makes real schedules slower, never faster — so no policy beats it (tests/test_bound.py checks
 every policy on the same runs). Without a host (``host_s`` None) ``j`` is 0 and ``H`` is 0.
@@ -51,6 +56,7 @@ class Trace:
     group_of: dict[int, int]  # MoE layer → its slot group
     initial: set[Key]  # resident (or on their way) when decoding started
     draft_s: float = 0.0  # the draft forwards' compute
+    pipelined: bool = False  # the draft may draft while the host computes (the verify pass's waits)
     layers: list[LayerUse] = field(default_factory=list)
 
 
@@ -111,7 +117,9 @@ def lower_bound(trace: Trace, expert_s, transfer_s: float, host_s=None) -> Bound
         transfer_s: seconds one expert takes on the link.
         host_s: tokens → seconds of one expert on the host; None when there is no host compute.
     """
-    dense = trace.draft_s + sum(use.dense_s for use in trace.layers)
+    layers = sum(use.dense_s for use in trace.layers)
+    dense = trace.draft_s + layers
+    beside = layers if trace.pipelined else dense  # G: what the host's work cannot overlap
     tokens = [t for use in trace.layers for t in use.experts.values()]
     device = sum(expert_s(t) for t in tokens)
     misses = len(fewest_misses(trace))
@@ -119,11 +127,11 @@ def lower_bound(trace: Trace, expert_s, transfer_s: float, host_s=None) -> Bound
     if host_s is None or not tokens:
         return best
     ratio = min(host_s(t) / expert_s(t) for t in tokens)
-    balanced = device * ratio / (1.0 + ratio)
+    balanced = (dense - beside + device) * ratio / (1.0 + ratio)
 
     def timeline(host: float) -> float:
         host = max(host, balanced)
-        return dense + max(device - host / ratio, host)
+        return max(dense + device - host / ratio, beside + host)
 
     cheapest = sorted(host_s(t) for t in tokens)[:misses]
     host = 0.0

@@ -30,7 +30,7 @@ from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.costs import CostModel
 from specter.verify.accept import accept_greedy, accept_sampled
-from specter.verify.sampling import choose, probabilities
+from specter.verify.sampling import choose, coupled_draw, probabilities
 
 __all__ = ["Draft", "Engine", "Routing"]
 
@@ -164,6 +164,7 @@ class Engine:
             # rounds the run committed, and leaving it out keeps the bound below any schedule of them.
             thrown = getattr(self.proposer, "thrown_s", 0.0)
             trace.draft_s = self.clock.draft_charged - draft_mark - thrown  # type: ignore[attr-defined]
+            trace.pipelined = self.pipelined
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
@@ -241,7 +242,9 @@ class Engine:
         if sampling.greedy:
             n, nxt = accept_greedy(logits, drafts)
         elif drafts:
-            n, nxt = accept_sampled(probabilities(logits, sampling), torch.stack(qs), drafts, gen)
+            position = len(seq) + len(drafts)  # of the token after the drafts, as the draft's guess names it
+            n, nxt = accept_sampled(probabilities(logits, sampling), torch.stack(qs), drafts, gen,
+                                    lambda p: coupled_draw(p, sampling.seed, position))
         else:
             n, nxt = 0, choose(logits[-1], sampling, gen)
         tally.last = (t1 - t0, self.clock.now() - t1)

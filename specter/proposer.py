@@ -20,7 +20,7 @@ from specter.models.routing import Routing
 from specter.protocol import PlanDelta
 from specter.target import crop_cache
 from specter.timing.clock import WallClock
-from specter.verify.sampling import probabilities
+from specter.verify.sampling import coupled_draw, probabilities
 
 OnPlan = Callable[[PlanDelta], None]
 OnPlans = Callable[[list[PlanDelta]], None]  # several plan deltas at once (a round drafted ahead)
@@ -160,8 +160,10 @@ class LocalProposer:
         guess. Otherwise one forward over that token gives them and is rolled back: the next round
         feeds the token together with the guess, exactly as a round after a fully accepted one
         feeds it with the target's token — the same forwards, so the same numbers. A sampled guess
-        is drawn from a generator of its own (seeded by the request and the position), so that
-        the draft's generator draws what it would without pipelining.
+        is drawn with noise of its own (``sampling.coupled_draw``: seeded by the request and the
+        position), so that the draft's generator draws what it would without pipelining; the
+        target's token after a fully accepted round is drawn with the same noise, so the guess is
+        right whenever the two distributions allow.
         """
         assert drafts, "guess() after a round that drafted"
         if routed_last:
@@ -173,9 +175,8 @@ class LocalProposer:
             position = self.cached + 1
         if self.sampling.greedy:
             bonus = int(torch.argmax(logits))
-        else:
-            gen = torch.Generator().manual_seed((draft_seed(self.sampling.seed) + 1 + position) & (2**63 - 1))
-            bonus = int(torch.multinomial(probabilities(logits, self.sampling).cpu(), 1, generator=gen))
+        else:  # the target's token after a fully accepted round is drawn with the same noise
+            bonus = coupled_draw(probabilities(logits, self.sampling), self.sampling.seed, position)
         return bonus, [bonus] if routed_last else [drafts[-1], bonus]
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
@@ -242,6 +243,7 @@ class IdleProposer(LocalProposer):
         self.step_s: float | None = None  # a draft step's clock seconds, EMA
         self.stand_rate = 0.5  # how often a round drafted ahead (and begun) stood, EMA
         self.stood_s = 0.0  # the clock seconds the latest round judged to stand took in the waits
+        self.depth: float | None = None  # steps a begun round had drafted in the waits when judged, EMA
         # rounds opened ahead (a round no wait began is opened and never stands), of them stood,
         # plan deltas of thrown-away ones; draft steps taken in waits
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
@@ -269,19 +271,26 @@ class IdleProposer(LocalProposer):
         """The verify pass is about to wait ``seconds``: draft ahead while a step pays.
 
         One device, so a step that outlasts the wait delays the pass by the difference; it saves a
-        whole step later only if the round stands. So a step runs when the wait covers at least the
-        part of it that is lost in expectation: ``seconds >= (1 - P(stand)) × step``, with
-        P(stand) measured over the rounds drafted ahead so far (prior one half).
+        step later only if the round stands. So a step runs when the wait covers at least the part
+        of it that is lost in expectation: ``seconds >= cost - P(stand) × saved`` (in steps), with
+        P(stand) measured over the rounds drafted ahead so far (prior one half). A later step costs
+        one forward and saves one. A round's first also guesses the target's next token (a forward
+        of its own, which a round drafted as usual does not run), so it costs two; it begins the
+        round, so it saves every step the waits draft for it: as many as a begun round has had
+        drafted ahead on average (prior: the whole round).
         """
         opened = self._open
-        while (opened is not None and len(opened.drafts) < opened.k and self.step_s is not None
-               and seconds >= (1.0 - self.stand_rate) * self.step_s):
+        while opened is not None and len(opened.drafts) < opened.k and self.step_s is not None:
+            first = opened.bonus is None
+            cost, saved = (2.0, self.depth if self.depth is not None else opened.k) if first else (1.0, 1.0)
+            if seconds < (cost - self.stand_rate * saved) * self.step_s:
+                return
             t0 = self.clock.now()
             self._step(opened, hold=True)
             spent = self.clock.now() - t0
             opened.spent += spent
             self.ahead_steps += 1
-            self._time_step(spent)
+            self._time_step(spent / cost)
             seconds -= spent
 
     def rollback(self, length: int) -> None:
@@ -297,6 +306,8 @@ class IdleProposer(LocalProposer):
         self.stood_s = opened.spent if stands and opened is not None else 0.0
         if opened is not None and opened.bonus is not None:  # begun: it teaches how often one stands
             self.stand_rate = 0.2 * stands + 0.8 * self.stand_rate
+            drafted = float(len(opened.drafts))
+            self.depth = drafted if self.depth is None else 0.2 * drafted + 0.8 * self.depth
         if not stands:
             self._throw()
         keep, self._keep = self._keep, None

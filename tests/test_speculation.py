@@ -14,6 +14,7 @@ from specter.engine import Engine
 from specter.plan import DRAFT_POLICIES, POLICIES
 from specter.target import OffloadedTarget
 from specter.verify.accept import accept_sampled
+from specter.verify.sampling import coupled_draw
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
 NEW = 14
@@ -101,8 +102,11 @@ def test_rejection_sampling_first_token_follows_the_target_exactly():
     assert _pvalue(wrong, q[0] * 0 + p[0]) < 1e-6
 
 
-def test_sampled_speculation_matches_the_targets_own_sampling(tiny_dir, tmp_path):
-    """Joint law of the first two new tokens (top-k 4) against the exact law from transformers."""
+@pytest.mark.parametrize(("policy", "window"), [("specter", 2), ("specter+fixed", 1)])
+def test_sampled_speculation_matches_the_targets_own_sampling(tiny_dir, tmp_path, policy, window):
+    """Joint law of the first two new tokens (top-k 4) against the exact law from transformers.
+    ``specter+fixed`` at K = 1 drafts the second token in the first round, so a fully accepted
+    round's bonus token (``coupled_draw``) is the second token whenever the draft is accepted."""
     folder = tiny_dir("mixtral")
     ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
     sampling = dict(temperature=1.0, top_k=4)
@@ -114,12 +118,12 @@ def test_sampled_speculation_matches_the_targets_own_sampling(tiny_dir, tmp_path
             for b in torch.nonzero(p2).flatten().tolist():
                 joint[(a, b)] = float(p1[a] * p2[b])
     draft = ResidentDraft(noisy_copy(folder, tmp_path / "d", scale=0.4))
-    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy="specter")
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LINK, policy=policy)
     cells = sorted(joint)
     counts = dict.fromkeys(cells, 0)
     trials = 400
     try:
-        engine = Engine(target, draft, 2)
+        engine = Engine(target, draft, window)
         for seed in range(trials):
             tokens, _ = engine.generate(PROMPT, 2, SamplingConfig(seed=seed, **sampling))
             counts[tuple(tokens)] += 1
@@ -128,6 +132,28 @@ def test_sampled_speculation_matches_the_targets_own_sampling(tiny_dir, tmp_path
     observed = torch.tensor([counts[c] for c in cells])
     assert observed.sum() == trials
     assert _pvalue(observed, torch.tensor([joint[c] for c in cells])) > 1e-3
+
+
+def test_a_coupled_draw_follows_its_distribution_and_agrees_with_a_close_one():
+    vocab, trials = 6, 20000
+    torch.manual_seed(1)
+    p = torch.distributions.Dirichlet(torch.ones(vocab)).sample()
+    p[4] = 0.0  # a token top-p or top-k removed is never drawn
+    p /= p.sum()
+    draws = [coupled_draw(p, seed=7, position=i) for i in range(trials)]
+    counts = torch.bincount(torch.tensor(draws), minlength=vocab)
+    assert counts[4] == 0
+    nonzero = p > 0
+    assert _pvalue(counts[nonzero], p[nonzero]) > 1e-3
+    # the same noise: equal distributions always agree, a close one nearly always, where
+    # independent draws agree only with probability sum(p * q)
+    q = 0.9 * p + 0.1 * torch.distributions.Dirichlet(torch.ones(vocab)).sample()
+    agree = sum(coupled_draw(q, 7, i) == d for i, d in enumerate(draws[:2000])) / 2000
+    tv = 0.5 * float((p - q).abs().sum())
+    assert all(coupled_draw(p.clone(), 7, i) == d for i, d in enumerate(draws[:500]))
+    assert agree >= (1 - tv) / (1 + tv) - 0.03 and agree > float((p * q).sum()) + 0.2
+    # other seeds or positions draw afresh
+    assert sum(coupled_draw(p, 8, i) == d for i, d in enumerate(draws[:2000])) / 2000 < float((p * p).sum()) + 0.05
 
 
 def _pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:

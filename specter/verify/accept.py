@@ -8,6 +8,8 @@ as the target's own sampling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -24,7 +26,8 @@ def accept_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> tuple
 
 
 def accept_sampled(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: list[int], generator: torch.Generator
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: list[int], generator: torch.Generator,
+    bonus_draw: Callable[[torch.Tensor], int] | None = None,
 ) -> tuple[int, int]:
     """Speculative rejection sampling.
 
@@ -33,6 +36,10 @@ def accept_sampled(
         draft_probs: (K, V) the warped draft distributions each draft token was sampled from.
         draft_tokens: the K draft tokens.
         generator: the request's random generator (CPU).
+        bonus_draw: draws the token after a fully accepted window from the target's last
+            distribution (``sampling.coupled_draw``, so that it agrees with the draft's guess as
+            often as it can); None: from ``generator``. Either is an exact sample of that
+            distribution, drawn with randomness the acceptance tests do not use.
 
     Returns (number accepted, next token): the next token is resampled from the residual at the
     first rejection, or drawn from the target's last distribution when all are accepted.
@@ -49,4 +56,7 @@ def accept_sampled(
         total = residual.sum()
         dist = residual / total if total > 0 else p_all[i]
         return i, int(torch.multinomial(dist, 1, generator=generator))
-    return len(draft_tokens), int(torch.multinomial(p_all[len(draft_tokens)], 1, generator=generator))
+    last = p_all[len(draft_tokens)]
+    if bonus_draw is not None:
+        return len(draft_tokens), bonus_draw(last)
+    return len(draft_tokens), int(torch.multinomial(last, 1, generator=generator))

@@ -34,3 +34,21 @@ def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gene
         return int(torch.argmax(logits, dim=-1))
     probs = probabilities(logits, sampling)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def coupled_draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """A sample from ``probs`` (V,) that a sample of another distribution at the same ``seed`` and
+    ``position`` equals as often as the two distributions allow.
+
+    Gumbel-max with noise that depends only on (seed, position): ``argmax(log p + g)`` is an exact
+    sample from ``p`` for any ``p``, and two distributions drawn with the same ``g`` agree with
+    probability at least ``(1 - TV) / (1 + TV)`` (TV their total variation distance) — always when
+    they are equal. The draft's guess of the target's next token and the target's own token after a
+    fully accepted round are drawn so (``accept_sampled``'s ``bonus_draw``, ``LocalProposer.guess``):
+    a pipelined round drafted on the guess then stands whenever the two draws agree, where drawn
+    independently they agree only by chance.
+    """
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + position) & (2**63 - 1))
+    u = torch.rand(probs.shape[-1], generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+    gumbel = -torch.log(-torch.log(u))
+    return int(torch.argmax(torch.log(probs.cpu().double()) + gumbel))

@@ -17,12 +17,13 @@ the cost model, no schedule of those passes, even one that knows the future, fin
   the device time of every needed expert and ``r`` the least host/device time ratio of any of them,
   a schedule giving the host ``H`` seconds of expert work saves the device at most ``H / r`` of it,
   so the device is busy at least ``W + L + A − H/r``. The host's work lies between its layers'
-  dense parts, so the passes last at least ``L + H``; and unpipelined nothing drafts while the
-  host works, so the run lasts at least ``W + L + H`` too. Pipelined (``Trace.pipelined``: the
-  next round drafted in the verify pass's waits) a draft step may run while the host computes, and
-  only the first two hold. In all, ``g(H) = max(W + L + A − H/r, G + H)`` with ``G = W + L``
-  unpipelined and ``G = L`` pipelined, least at ``H* = (W + L − G + A)·r/(1+r)`` and growing beyond
-  it.
+  dense parts, so the passes last at least ``L + H``. A round drafted once the pass before it
+  was judged drafts while no pass runs, so while the host is idle; only a round drafted ahead
+  (pipelined: during the pass before it, assuming that pass accepts every draft token) that
+  stood could have drafted while the host computed — its drafting ``W_a`` (``Trace.ahead_s``; 0
+  unpipelined). So the run lasts at least ``G + H`` with ``G = W − W_a + L``. In all,
+  ``g(H) = max(W + L + A − H/r, G + H)``, least at ``H* = (W + L − G + A)·r/(1+r)`` and growing
+  beyond it.
 
 So ``TPOT · (N − 1) ≥ min_j max(g(max(H_j, H*)), (M − j)·τ)`` over the decode's ``N − 1`` token
 intervals. It ignores that routing is only known when a layer runs,
@@ -56,7 +57,7 @@ class Trace:
     group_of: dict[int, int]  # MoE layer → its slot group
     initial: set[Key]  # resident (or on their way) when decoding started
     draft_s: float = 0.0  # the draft forwards' compute
-    pipelined: bool = False  # the draft may draft while the host computes (the verify pass's waits)
+    ahead_s: float = 0.0  # of draft_s, the rounds drafted ahead that stood (pipelined): may overlap the host
     layers: list[LayerUse] = field(default_factory=list)
 
 
@@ -119,7 +120,7 @@ def lower_bound(trace: Trace, expert_s, transfer_s: float, host_s=None) -> Bound
     """
     layers = sum(use.dense_s for use in trace.layers)
     dense = trace.draft_s + layers
-    beside = layers if trace.pipelined else dense  # G: what the host's work cannot overlap
+    beside = dense - trace.ahead_s  # G: what the host's work cannot overlap
     tokens = [t for use in trace.layers for t in use.experts.values()]
     device = sum(expert_s(t) for t in tokens)
     misses = len(fewest_misses(trace))

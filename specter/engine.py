@@ -50,6 +50,7 @@ class _Tally:
     last: tuple[float, float] = (0.0, 0.0)  # the latest round's drafting and verify seconds
     costs: tuple[float, float] = (0.0, 0.0)  # the same as the K chooser learns them (``_round``)
     carried: float = 0.0  # seconds the latest verify pass spent drafting the next round, which stands
+    fresh_draft_s: float = 0.0  # draft compute charged to rounds drafted once the round before was judged
 
 
 class Engine:
@@ -164,7 +165,7 @@ class Engine:
             # rounds the run committed, and leaving it out keeps the bound below any schedule of them.
             thrown = getattr(self.proposer, "thrown_s", 0.0)
             trace.draft_s = self.clock.draft_charged - draft_mark - thrown  # type: ignore[attr-defined]
-            trace.pipelined = self.pipelined
+            trace.ahead_s = max(0.0, trace.draft_s - tally.fresh_draft_s) if self.pipelined else 0.0  # rounds that stood
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
@@ -234,7 +235,9 @@ class Engine:
         if standing:
             drafts, qs, predicted = self._take(round_id, seq, ahead)
         else:
+            charged = getattr(self.clock, "draft_charged", 0.0)
             drafts, qs, predicted = self._draft(round_id, seq, k, ahead) if k else ([], [], {})
+            tally.fresh_draft_s += getattr(self.clock, "draft_charged", 0.0) - charged
         t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]

@@ -71,11 +71,15 @@ def test_lower_bound_arithmetic_by_hand():
     with_host = lower_bound(trace, lambda t: 0.5e-3 * t, transfer_s=3e-3, host_s=lambda t: 2e-3 * t)
     assert with_host.decode_s == pytest.approx(8e-3)
     assert with_host.decode_s <= bound.decode_s
-    # pipelined, the 2 ms of drafting may run while the host computes: the passes' 2 ms of dense
-    # parts plus the host's work, max(6 - H/4, 2 + H); j = 2 gives max(5, 6) and the link 6 ms
-    trace.pipelined = True
-    piped = lower_bound(trace, lambda t: 0.5e-3 * t, transfer_s=3e-3, host_s=lambda t: 2e-3 * t)
-    assert piped.decode_s == pytest.approx(6e-3)
+    # pipelined, a round drafted ahead that stood may have drafted while the host computed: with
+    # all 2 ms of drafting so, the passes' 2 ms of dense parts plus the host's work,
+    # max(6 - H/4, 2 + H); j = 2 gives max(5, 6) and the link 6 ms. With 1 ms so, max(6 - H/4,
+    # 3 + H): j = 2 gives 7 (the link 6), j = 3 gives 9
+    host = dict(transfer_s=3e-3, host_s=lambda t: 2e-3 * t)
+    trace.ahead_s = 2e-3
+    assert lower_bound(trace, lambda t: 0.5e-3 * t, **host).decode_s == pytest.approx(6e-3)
+    trace.ahead_s = 1e-3
+    assert lower_bound(trace, lambda t: 0.5e-3 * t, **host).decode_s == pytest.approx(7e-3)
 
 
 @pytest.fixture(scope="module")

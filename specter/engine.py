@@ -141,12 +141,10 @@ class Engine:
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
             limit = min(self.window, remaining - 1)
-            if standing and planned is not None:
+            if standing and planned is not None:  # drafted ahead at the K chosen a round early
                 k = planned
-            elif planned is not None and chooser is not None:  # chosen a round early; with no
-                k = min(planned, limit)  # chooser every round drafts as far as it may
-            else:
-                k = chooser.choose(limit) if chooser is not None else limit
+            else:  # chosen now, from every round measured so far (a K chosen early for a round
+                k = chooser.choose(limit) if chooser is not None else limit  # thrown away is stale)
             ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
             new, planned, stands = self._round(round_id, seq, tcache, k, sampling, gen, tally, standing, ahead_limit)
             if chooser is not None:

@@ -61,7 +61,7 @@ class Engine:
 
     def __init__(
         self, target: OffloadedTarget, draft: Draft | None = None, window: int = 0, untimed_prefill: bool = False,
-        proposer: Proposer | None = None, pipelined: bool = False,
+        proposer: Proposer | None = None, pipelined: bool | None = None,
     ):
         if window < 0 or window > 64:
             raise ValueError(f"window: K must be in [0, 64], got {window}")
@@ -71,12 +71,16 @@ class Engine:
             check_draft_matches(draft.model.config.to_dict(), target.model.config.to_dict())
         self.target = target
         self.draft = draft if window > 0 else None
-        pipelined = pipelined or target.offload.policy.pipelined  # the policy's ``+pipe``
+        asked = pipelined  # None: the policy's own (``specter`` pipelines, ``+pipe``/``+nopipe`` say)
+        pipelined = target.offload.policy.pipelined if pipelined is None else pipelined
         if window > 0 and proposer is None:
             assert draft is not None
             proposer = IdleProposer(draft, target.clock) if pipelined else LocalProposer(draft, target.clock)
         self.proposer = proposer if window > 0 else None
-        if pipelined and self.proposer is not None and not getattr(self.proposer, "pipelined", False):
+        can = getattr(self.proposer, "pipelined", False)
+        if asked is None and not can:  # the policy's default, but this proposer cannot: drafted as usual
+            pipelined = False
+        if pipelined and self.proposer is not None and not can:
             raise ValueError("pipelined: drafting a round ahead needs a proposer that can (the actors', or "
                              f"specter.proposer.IdleProposer in process); {type(self.proposer).__name__} cannot")
         self.pipelined = pipelined and self.proposer is not None

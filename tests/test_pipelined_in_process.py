@@ -34,7 +34,7 @@ def setup(request, tiny_dir, tmp_path_factory):
     return folder, out[0, len(PROMPT):].tolist(), close, wrong
 
 
-def _run(folder, draft, policy: str, window: int, pipelined: bool, sampling: SamplingConfig | None = None):
+def _run(folder, draft, policy: str, window: int, pipelined: bool | None, sampling: SamplingConfig | None = None):
     """On the virtual clock at ρ = 30: the verify pass waits on the link, so there is idle time."""
     timing = resolve_timing(str(folder), "virtual", "qwen2moe-pcie4", rho=30.0)
     target = OffloadedTarget.load(folder, SlotConfig(fraction=0.25), timing.link, policy=policy,
@@ -51,7 +51,7 @@ def _run(folder, draft, policy: str, window: int, pipelined: bool, sampling: Sam
 @pytest.mark.parametrize("policy", sorted(DRAFT_POLICIES))
 def test_every_drafting_policy_pipelined_in_process_equals_transformers(setup, policy: str) -> None:
     folder, expected, close, _ = setup
-    tokens, stats, proposer = _run(folder, close, f"{policy}+fixed+pipe", 4, pipelined=False)  # via +pipe
+    tokens, stats, proposer = _run(folder, close, f"{policy}+fixed+pipe", 4, pipelined=None)  # via +pipe
     assert isinstance(proposer, IdleProposer)
     assert tokens == expected, policy
     assert stats.extra["pipelined"] and stats.extra["ahead_asked"] > 0
@@ -103,3 +103,13 @@ def test_the_bound_leaves_out_the_drafting_of_rounds_thrown_away(setup, monkeypa
     assert unpiped_trace.ahead_s == 0 and piped_trace.ahead_s == pytest.approx(0, abs=1e-12)
     assert piped_trace.draft_s == pytest.approx(unpiped_trace.draft_s, rel=1e-9)
     assert piped.bound_tpot_s == pytest.approx(plain.bound_tpot_s, rel=1e-9)
+
+
+def test_specter_pipelines_by_default_and_an_explicit_choice_wins(setup) -> None:
+    folder, expected, close, _ = setup
+    _, default, by_default = _run(folder, close, "specter+fixed", 4, pipelined=None)
+    _, off, plain = _run(folder, close, "specter+fixed+nopipe", 4, pipelined=None)
+    _, forced, forced_proposer = _run(folder, close, "specter+fixed+pipe", 4, pipelined=False)
+    assert isinstance(by_default, IdleProposer) and default.extra.get("pipelined")
+    assert not isinstance(plain, IdleProposer) and not off.extra.get("pipelined")
+    assert not isinstance(forced_proposer, IdleProposer) and not forced.extra.get("pipelined")

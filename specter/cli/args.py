@@ -147,7 +147,7 @@ def _add_pipeline(command: argparse.ArgumentParser, when: str = "") -> None:
     command.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                          help=f"{when}the next round is drafted while this one is verified: by the draft actor "
                               "(default on through the actors; docs/actors.md), or in process in the verify pass's "
-                              "waits (default off; the policy option +pipe does the same)")
+                              "waits (default: the policy's; specter's is on, +pipe / +nopipe set it)")
 
 
 def _profile_name(text: str) -> str:

@@ -207,7 +207,7 @@ def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore
     try:
         tokenizer = target.tokenizer
         prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
-        engine = Engine(target, draft, window, pipelined=bool(args.pipeline))
+        engine = Engine(target, draft, window, pipelined=args.pipeline)  # None: the policy's default
         tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model))
     finally:
         target.close()

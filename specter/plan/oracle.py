@@ -16,6 +16,7 @@ class Oracle(Specter):
     name = "oracle"
     route_last_draft = False  # it knows the routing; an extra draft step would only cost time
     adaptive_window = False  # its trace is replayed round by round, so every round has the same K
+    pipelined = False  # the recorded run and its replay make the same rounds, one after another
     default_window = 4
 
     def __init__(self) -> None:

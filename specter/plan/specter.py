@@ -20,6 +20,10 @@ next predicted use is furthest away.
   (a plain decode step with host compute) included; the engine's window is only its cap (32).
   ``specter+fixed`` drafts the full window every round; ``specter+last`` adds the draft forward
   that routes the K-th token's position.
+* Pipelined drafting: while a verify pass waits for the link or the host, the draft drafts the next
+  round as if this one were all accepted (``specter.proposer.IdleProposer``; through the actors the
+  draft actor does it). On by default since session 15, when the K chooser and the bound account
+  for it; ``specter+nopipe`` drafts each round after the one before is judged.
 * Host compute: an expert the link would bring later than the host could compute it is computed
   on the host (its queued prefetch cancelled), and not cached: ``+fetch`` fetches it for later
   always, ``+idlefetch`` when the link is idle as the layer ends (in place of an expert needed
@@ -64,6 +68,7 @@ class Specter(Policy):
     adaptive_window = True
     value_order = True  # prefetch only what is worth its link time (``select``)
     hindsight_cache = True  # a plain step caches its host experts when such swaps paid (``fetch_later``)
+    pipelined = True  # the next round drafted in the verify pass's waits (``+nopipe``: not; docs/benchmark.md)
 
     def __init__(self) -> None:
         super().__init__()

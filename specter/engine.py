@@ -8,7 +8,8 @@ in the verify pass's waits, ``IdleProposer``; the policy option ``+pipe`` turns 
 also asks the draft to draft the next round while this one is verified, as if every draft token
 were accepted and the target's next token were the draft's own guess. When that is what happened
 the next round's draft is ready (or nearly) as its round starts; otherwise it is thrown away and
-drafted as usual. The next round's K is then chosen one round early. Tokens are the same either
+drafted as usual. The K of a round drafted ahead is chosen one round early (a round after one
+thrown away has its K chosen then). Tokens are the same either
 way: a round that stands is exactly the draft the round would have drafted (``LocalProposer.guess``).
 """
 

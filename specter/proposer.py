@@ -210,7 +210,6 @@ class _Ahead:
     after: list[int]  # the drafts of the round it follows (its guess comes from their last)
     cached: int  # the draft cache's length before it (to undo it)
     gen_state: torch.Tensor  # the draft generator's state before it
-    charged: float  # the clock's draft seconds charged before it (what throwing it away wastes)
     bonus: int | None = None  # the draft's guess of the target's next token (once guessed)
     pending: list[int] = field(default_factory=list)  # what its next step feeds
     drafts: list[int] = field(default_factory=list)
@@ -248,7 +247,7 @@ class IdleProposer(LocalProposer):
         # plan deltas of thrown-away ones; draft steps taken in waits
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
         self.ahead_steps = 0
-        self.thrown_s = 0.0  # draft seconds the clock charged to rounds drafted ahead and thrown away
+        self.thrown_s = 0.0  # clock seconds of rounds drafted ahead and thrown away (their steps are all drafting)
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         self._open, self._keep = None, None
@@ -281,8 +280,8 @@ class IdleProposer(LocalProposer):
         """
         opened = self._open
         while opened is not None and len(opened.drafts) < opened.k and self.step_s is not None:
-            first = opened.bonus is None
-            cost, saved = (2.0, self.depth if self.depth is not None else opened.k) if first else (1.0, 1.0)
+            first = opened.bonus is None  # it guesses first
+            cost, saved = (2.0, opened.k if self.depth is None else self.depth) if first else (1.0, 1.0)
             if seconds < (cost - self.stand_rate * saved) * self.step_s:
                 return
             t0 = self.clock.now()
@@ -334,7 +333,7 @@ class IdleProposer(LocalProposer):
 
     def _open_next(self, round_id: int, k: int, after: list[int], route_last: bool) -> None:
         if k and after and not route_last:  # route_last rounds are not drafted ahead
-            self._open = _Ahead(round_id, k, after, self.cached, self.gen.get_state(), self._charged())
+            self._open = _Ahead(round_id, k, after, self.cached, self.gen.get_state())
             self.ahead_asked += 1
 
     def _step(self, opened: _Ahead, hold: bool) -> PlanDelta:
@@ -359,11 +358,8 @@ class IdleProposer(LocalProposer):
         if opened is None:
             return
         self.ahead_dropped += len(opened.deltas)
-        self.thrown_s += self._charged() - opened.charged
+        self.thrown_s += opened.spent
         self.restore(opened.cached, opened.gen_state)  # no round is open now: rollback acts at once
-
-    def _charged(self) -> float:
-        return float(getattr(self.clock, "draft_charged", 0.0))  # the virtual clock's; 0 elsewhere
 
     def _time_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s is None else 0.25 * seconds + 0.75 * self.step_s

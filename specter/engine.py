@@ -244,7 +244,7 @@ class Engine:
         t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
-        true = {layer: set(ids.flatten().tolist()) for layer, ids in self.target.offload.last_routing.items()}
+        true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
         if sampling.greedy:
             n, nxt = accept_greedy(logits, drafts)
         elif drafts:

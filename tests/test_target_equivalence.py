@@ -71,22 +71,3 @@ def test_experts_are_never_materialized_fused(tiny_dir):
         assert blob.is_contiguous() and blob.numel() == store.shape.numel
     finally:
         target.close()
-
-
-def test_a_layers_routes_grouped_at_once_are_the_eager_loops_per_expert_ones() -> None:
-    """``Routes`` (one sort and one host read per layer) gives every expert exactly the (top-k slot,
-    token) pairs, in the same order, that transformers' eager loop's ``torch.where`` gives it."""
-    from specter.experts.executor import Routes
-
-    generator = torch.Generator().manual_seed(0)
-    for tokens, experts, top_k in ((1, 8, 2), (9, 64, 4), (40, 6, 3)):
-        scores = torch.rand(tokens, experts, generator=generator)
-        top_k_index = scores.topk(top_k, dim=-1).indices
-        routes = Routes(top_k_index)
-        assert routes.needed == sorted(set(top_k_index.flatten().tolist()))
-        for expert in range(experts):
-            want = torch.where((top_k_index == expert).T)
-            assert routes.count(expert) == len(want[0])
-            if routes.count(expert):
-                got = routes.rows(expert)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tokens, expert)

@@ -1,11 +1,13 @@
 """MoE layers run against the slot pool: resident experts at once, missing ones as they land.
 
 transformers calls ``OffloadedExperts.forward`` (through ``ExpertsInterface``) at every MoE layer
-with the layer's true routing. Needed experts that are resident are pinned and run first while
-the link brings the missing ones; each late expert runs the moment it lands, and its slot may
-then be reused by the next one, so a pass that needs more experts than there are slots (prefill,
-a long verify window) streams them through. Outputs are summed in ascending expert order, as
-transformers' eager loop does, so results do not depend on arrival order.
+with the layer's true routing, which is read to the host once (the schedule needs the experts).
+Needed experts that are resident are pinned and computed at once, together, in one grouped call
+over the slot pool (``specter/experts/grouped.py``) while the link brings the missing ones; each
+late expert runs the moment it lands, and its slot may then be reused by the next one, so a pass
+that needs more experts than there are slots (prefill, a long verify window) streams them through.
+Each (token, top-k position) pair's output has its own row, summed once at the end, so results
+do not depend on arrival order.
 
 When the policy allows it (``Policy.host_compute``) and a host is set, a late expert whose
 transfer would land after the host could finish computing it is computed on the host from its
@@ -17,13 +19,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specter.bound import LayerUse, Trace
 from specter.config import HostConfig
+from specter.experts.grouped import LayerRoutes, PairOutputs
 from specter.experts.host import HostCompute
 from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer, VirtualLink
 from specter.experts.slots import ChooseVictim, Key, SlotPool
@@ -47,7 +48,7 @@ class OffloadedExperts:
         self.policy = policy
         self.timeout = timeout
         self.counters = OffloadCounters()
-        self.last_routing: dict[int, torch.Tensor] = {}  # layer → top-k ids of the latest pass
+        self.last_needed: dict[int, list[int]] = {}  # layer → the experts the latest pass routed to
         self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
         self.trace: Trace | None = None  # when set, each layer's routing is recorded (the bound)
         # Called with the seconds a wait ahead will last, before the pass waits for a transfer or the
@@ -115,31 +116,31 @@ class OffloadedExperts:
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Same result as transformers' eager experts loop, with experts taken from slots (or, for
-        late ones when the policy allows it, computed on the host from their blobs)."""
-        routes = Routes(top_k_index)  # the layer's one host sync
+        """transformers' eager experts loop's result, with experts taken from slots in grouped calls
+        (``specter/experts/grouped.py``) or, for late ones when the policy allows it, computed on
+        the host from their blobs."""
+        routes = LayerRoutes(top_k_index)  # the layer's one read of device data
         needed = routes.needed
-        self.last_routing[layer] = top_k_index
+        self.last_needed[layer] = needed
         self.counters.layers += 1
         dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
         if self.trace is not None:
             self._record(layer, dense_s, routes)
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
-        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        outputs = PairOutputs(hidden, routes, top_k_weights, module.act_fn)  # type: ignore[arg-type]
         ready, pending, missing = self._classify(keys)
         on_host = self._split_host(pending, missing, routes)
         for transfer in filter(None, map(self.pool.transfer_of, pending)):
             self.link.promote(transfer)
         for key in on_host:  # the host works alongside the device: its deadline runs from now
-            outputs[key[1]] = self._run_host(module, key, hidden, routes, top_k_weights)
+            self._run_host(outputs, key, routes)
         protect = set(keys)
         queue = deque(missing)
         self._issue(queue, pending, protect)
-        for key in ready:
-            outputs[key[1]] = self._run(module, key, hidden, routes, top_k_weights)
-            protect.discard(key)
-            self._issue(queue, pending, protect)
+        self._run(outputs, ready, routes)  # every resident hit in one grouped call
+        protect.difference_update(ready)
+        self._issue(queue, pending, protect)
         while queue or pending:
             if not pending:
                 # Every free-able slot is taken by prefetches still in flight: let one land.
@@ -148,15 +149,12 @@ class OffloadedExperts:
                 continue
             key = pending.popleft()
             self.wait(key)
-            outputs[key[1]] = self._run(module, key, hidden, routes, top_k_weights)
+            self._run(outputs, [key], routes)
             protect.discard(key)
             self._issue(queue, pending, protect)
         if on_host:
             self._finish_host(on_host)
-        final = torch.zeros_like(hidden)
-        for e in needed:
-            final.index_add_(0, *outputs[e])
-        return final
+        return outputs.total()
 
     def start_trace(self) -> Trace:
         """Record from now on what the bound needs (``specter/bound.py``): the residency now, the
@@ -167,7 +165,7 @@ class OffloadedExperts:
                            initial=set(pool.resident()))
         return self.trace
 
-    def _record(self, layer: int, dense_s: float, routes: Routes) -> None:
+    def _record(self, layer: int, dense_s: float, routes: LayerRoutes) -> None:
         assert self.trace is not None
         self.trace.layers.append(LayerUse(layer, dense_s, {e: routes.count(e) for e in routes.needed}))
 
@@ -192,7 +190,7 @@ class OffloadedExperts:
         return ready, pending, missing
 
     # -- host compute of late experts -------------------------------------------------------
-    def _split_host(self, pending: deque[Key], missing: list[Key], routes: Routes) -> list[Key]:
+    def _split_host(self, pending: deque[Key], missing: list[Key], routes: LayerRoutes) -> list[Key]:
         """Take out of ``pending``/``missing`` the experts the host would finish before they land.
 
         Walks the late experts in order, keeping two clocks: when the link would land each one
@@ -232,14 +230,12 @@ class OffloadedExperts:
         if not self.policy.fetch_after_host:
             self.cancel(key)
 
-    def _run_host(
-        self, module: Any, key: Key, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_host(self, outputs: PairOutputs, key: Key, routes: LayerRoutes) -> None:
         """One expert computed on the host from its blob: the slot path's math on the same bytes."""
         assert self.host is not None
         gate_up, down = self.store.shape.split(self.store.blob(*key))
         self.host.start(routes.count(key[1]), self.clock.now())
-        return expert_output(module, key[1], gate_up, down, hidden, routes, top_k_weights)
+        outputs.from_blob(key[1], gate_up, down)
 
     def _finish_host(self, on_host: list[Key]) -> None:
         """The layer ends when the host is done too; then, if the policy wants them (always, or
@@ -276,63 +272,19 @@ class OffloadedExperts:
             self.pool.pin(key)
             pending.append(key)
 
-    def _run(
-        self, module: Any, key: Key, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert on its tokens, exactly as the eager loop computes it; then unpin its slot."""
-        gate_up, down = self.pool.view(key)
-        out = expert_output(module, key[1], gate_up, down, hidden, routes, top_k_weights)
-        self.clock.charge_expert(len(out[0]))
+    def _run(self, outputs: PairOutputs, keys: list[Key], routes: LayerRoutes) -> None:
+        """``keys``' pairs from their slots in one grouped call; then their slots are unpinned."""
+        if not keys:
+            return
+        outputs.from_slots(self.pool.storage, self.pool.shape, {e: self.pool.where[(layer, e)] for layer, e in keys})
+        for key in keys:
+            self.clock.charge_expert(routes.count(key[1]))
         event = None
         if self.on_cuda:  # on the pool's device's stream: the current device may be another one
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.pool.device))
-        self.pool.unpin(key, event)
-        return out
-
-
-class Routes:
-    """One MoE layer's routing grouped by expert, read to the host once.
-
-    For each expert, the (top-k slot, token) pairs routed to it, in the order transformers' eager
-    loop visits them (``torch.where((top_k_index == e).T)``: by slot, then token), from one stable
-    sort of the transposed routing; ``needed`` and the per-expert counts come from one
-    ``bincount`` read to the host — the layer's only device sync (the schedule needs the experts).
-    """
-
-    def __init__(self, top_k_index: torch.Tensor):
-        self.tokens = top_k_index.shape[0]
-        flat = top_k_index.T.reshape(-1)  # slot p of token t at p * tokens + t
-        self._order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat).tolist()
-        self._start: dict[int, tuple[int, int]] = {}
-        offset = 0
-        for expert, count in enumerate(counts):
-            if count:
-                self._start[expert] = (offset, count)
-                offset += count
-        self.needed = list(self._start)  # ascending
-
-    def count(self, expert: int) -> int:
-        """Token rows routed to ``expert`` (0 if none)."""
-        return self._start.get(expert, (0, 0))[1]
-
-    def rows(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top-k slots, token rows) of ``expert``, ordered as the eager loop's ``torch.where``."""
-        offset, count = self._start[expert]
-        flat = self._order[offset : offset + count]
-        return flat // self.tokens, flat % self.tokens
-
-
-def expert_output(
-    module: Any, expert: int, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
-    routes: Routes, top_k_weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token rows, weighted output) of one expert, as transformers' eager experts loop computes it."""
-    top_k_pos, token_idx = routes.rows(expert)
-    gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
-    out = F.linear(module.act_fn(gate) * up, down)
-    return token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(hidden.dtype)
+        for key in keys:
+            self.pool.unpin(key, event)
 
 
 def drop_queued(pool: SlotPool, link: Link, key: Key) -> bool:

@@ -12,11 +12,12 @@ Everything else (policies, residency map, the MoE forward) is the in-process cod
 from __future__ import annotations
 
 import time
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
-from specter.experts.executor import OffloadedExperts, Routes, expert_output, initial_slots
+from specter.experts.executor import OffloadedExperts, initial_slots
+from specter.experts.grouped import LayerRoutes, PairOutputs
 from specter.experts.link import LinkError
 from specter.experts.slots import Key, SlotPool
 from specter.experts.store import ExpertStore
@@ -97,9 +98,9 @@ class ScheduledExperts(OffloadedExperts):
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """As ``OffloadedExperts.forward``, with the transfer actor placing the experts."""
-        routes = Routes(top_k_index)
+        routes = LayerRoutes(top_k_index)  # the layer's one read of device data
         needed = routes.needed
-        self.last_routing[layer] = top_k_index
+        self.last_needed[layer] = needed
         self.counters.layers += 1
         self.clock.charge_dense(hidden.shape[0], self.context)
         ready: dict[int, int] = {}  # expert → its slot, pinned
@@ -124,28 +125,23 @@ class ScheduledExperts(OffloadedExperts):
         wait = [e for e in late if e not in on_host]
         self.visit += 1
         self.remote.channel.send(LayerNeeds(layer, self.visit, wait, list(ready), on_host))
-        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        pinned = dict(ready)  # ready experts whose slots are still pinned (``_run_slot`` unpins)
+        outputs = PairOutputs(hidden, routes, top_k_weights, module.act_fn)  # type: ignore[arg-type]
         try:
             for e in on_host:
-                outputs[e] = self._run_host(module, (layer, e), hidden, routes, top_k_weights)
-            for e, slot in ready.items():
-                del pinned[e]
-                outputs[e] = self._run_slot(module, (layer, e), slot, hidden, routes, top_k_weights)
-        finally:  # a failure must not leave a slot pinned: the copy thread would wait on it forever
-            for slot in pinned.values():
+                self._run_host(outputs, (layer, e), routes)
+        except BaseException:  # a failure must not leave a slot pinned: the copy thread would wait on it forever
+            for slot in ready.values():
                 self.slots.release(slot)
+            raise
+        self._run_slots(outputs, layer, ready, routes)  # releases them whatever happens
         left = [(layer, e) for e in wait]
         while left:  # each runs the moment it lands (the transfer actor may need a done slot for the next)
             key, slot = self._await(left)
             left.remove(key)
-            outputs[key[1]] = self._run_slot(module, key, slot, hidden, routes, top_k_weights)
+            self._run_slots(outputs, layer, {key[1]: slot}, routes)
         if on_host:
             self._finish_host([(layer, e) for e in on_host])
-        final = torch.zeros_like(hidden)
-        for e in needed:
-            final.index_add_(0, *outputs[e])
-        return final
+        return outputs.total()
 
     def _pin_if_landed(self, key: Key) -> tuple[int, int] | None:
         """(slot, seq) of the copy of ``key``, its slot pinned, if it has landed; else None."""
@@ -168,7 +164,7 @@ class ScheduledExperts(OffloadedExperts):
             return self.slots.due(slot)
         return self.remote.counters.due() if seq % 2 else None
 
-    def _host_share(self, layer: int, late: list[int], routes: Routes) -> list[int]:
+    def _host_share(self, layer: int, late: list[int], routes: LayerRoutes) -> list[int]:
         """The late experts the host would finish before they land (``OffloadedExperts._split_host``'s
         walk: the link's clock behind the transfer moving now, the host's behind what it was given)."""
         host = self.host
@@ -220,19 +216,20 @@ class ScheduledExperts(OffloadedExperts):
                 _late(keys[0], self.timeout)
             idle = nap(self.remote.counters, end, idle)
 
-    def _run_slot(
-        self, module: Any, key: Key, slot: int, hidden: torch.Tensor, routes: Routes, top_k_weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert from its pinned slot, as the eager loop computes it; then it is marked done
-        in this visit and its slot unpinned (the transfer actor may reuse it from then on)."""
+    def _run_slots(self, outputs: PairOutputs, layer: int, slot_of: dict[int, int], routes: LayerRoutes) -> None:
+        """The experts in ``slot_of`` (pinned) from their slots in one grouped call; then they are
+        marked done in this visit and their slots unpinned (the transfer actor may reuse them)."""
+        if not slot_of:
+            return
         try:
-            gate_up, down = self.store.shape.split(self.slots.storage[slot])
-            out = expert_output(module, key[1], gate_up, down, hidden, routes, top_k_weights)
-            self.index.mark_done(key, self.visit)
+            outputs.from_slots(self.slots.storage, self.store.shape, slot_of)
+            for e in slot_of:
+                self.index.mark_done((layer, e), self.visit)
         finally:
-            self.slots.release(slot)
-        self.clock.charge_expert(len(out[0]))
-        return out
+            for slot in slot_of.values():
+                self.slots.release(slot)
+        for e in slot_of:
+            self.clock.charge_expert(routes.count(e))
 
 
 def _late(key: Key, timeout: float) -> NoReturn:

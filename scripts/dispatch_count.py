@@ -1,0 +1,112 @@
+"""Count a decode's dispatch through the public API: ops that reach a kernel and reads of device data
+into Python, per MoE layer per committed token (``specter/timing/dispatch.py``).
+
+A held-out model (never used to tune anything: a seeded Qwen2-MoE of 4 MoE layers x 32 experts,
+top-4, with a shared expert; or ``--model DIR``) and an int4 RTN draft of it (``specter quantize``)
+are built in a temporary folder. Each setting generates ``--tokens`` + 1 new tokens and 1 new
+token after the same prompt; the difference is the decode's own dispatch.
+
+    python scripts/dispatch_count.py [--tokens 32] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specter.config import LinkConfig, SlotConfig
+from specter.draft.loading import load_draft
+from specter.engine import Engine
+from specter.target import OffloadedTarget
+from specter.timing.dispatch import DispatchCount
+
+SETTINGS = (  # name, budget, policy, window
+    ("resident plain", 1.0, "demand-lru", 0),
+    ("offloaded plain 25%", 0.25, "demand-lru", 0),
+    ("specter round K 8, 25%", 0.25, "specter+fixed+nopipe", 8),
+)
+
+
+def held_out_model(folder: Path) -> Path:
+    """A seeded Qwen2-MoE with 4 MoE layers of 32 experts (top-4) and a shared expert."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+                            max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # wide weights: clear routing margins (tests/tiny_models.py does the same)
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
+    model.save_pretrained(folder)
+    return folder
+
+
+def rtn_draft(model: Path, out: Path) -> Path:
+    from specter.draft.quantize.model import quantize_model
+
+    quantize_model(str(model), str(out), method="rtn", group_size=32)
+    return out
+
+
+def count(engine: Engine, prompt: list[int], tokens: int) -> tuple[DispatchCount, int]:
+    """Dispatch of ``tokens`` committed decode tokens (a run of tokens + 1 less a run of 1)."""
+    runs = []
+    for new in (1, tokens + 1):
+        engine.target.offload.reset_residency()
+        with DispatchCount() as counted:
+            ids, _ = engine.generate(prompt, new)
+        runs.append((counted, len(ids)))
+    (short, n1), (long, n2) = runs
+    diff = DispatchCount()
+    diff.ops, diff.reads, diff.syncs = long.ops - short.ops, long.reads - short.reads, long.syncs - short.syncs
+    diff.by_name = {k: v - short.by_name.get(k, 0) for k, v in long.by_name.items()}
+    return diff, n2 - n1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a checkpoint folder (default: the held-out model)")
+    parser.add_argument("--draft", help="its draft (default: an RTN int4 draft made here)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--json", help="write the counts here")
+    parser.add_argument("--top", type=int, default=0, help="also list the N most frequent ops per setting")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else held_out_model(Path(tmp) / "model")
+        draft_dir = Path(args.draft) if args.draft else rtn_draft(model, Path(tmp) / "draft")
+        draft = load_draft(draft_dir, device="cpu", mode="dequant-cache")
+        prompt = list(range(3, 11))
+        for name, budget, policy, window in SETTINGS:
+            target = OffloadedTarget.load(model, SlotConfig(fraction=budget), LinkConfig(kind="sim", bandwidth=1e12,
+                                          latency=0.0), policy=policy, device="cpu")
+            engine = Engine(target, draft if window else None, window=window)
+            counted, tokens = count(engine, prompt, args.tokens)
+            per = tokens * len(target.loaded.moe_layers)
+            rows.append({"setting": name, "tokens": tokens, "ops": counted.ops / per, "reads": counted.reads / per,
+                         "syncs": counted.syncs / per,
+                         "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
+            target.close()
+    print("| setting | ops / MoE layer / token | host reads | implicit syncs |")
+    print("| --- | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['setting']} | {row['ops']:.1f} | {row['reads']:.2f} | {row['syncs']:.2f} |")
+        if args.top:
+            print("    " + ", ".join(f"{k} {v}" for k, v in row["top"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

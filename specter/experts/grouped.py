@@ -1,0 +1,131 @@
+"""A MoE layer's routed experts computed in grouped calls over the device slot pool.
+
+The routing of one MoE layer is read to the host once (``LayerRoutes``: the layer's only read of
+device data; the schedule needs to know which experts to fetch). Every (token, top-k position)
+pair of the layer gets its expert's output in ``PairOutputs``: the pairs whose experts sit in
+slots are computed together — rows gathered once, sorted by slot, one grouped matmul for
+``gate_up`` and one for ``down`` over the whole slot pool (``torch.nn.functional.grouped_mm``;
+slots no pair uses are empty groups), the rows put back in pair order — so a layer whose experts
+are all resident is a fixed handful of ops, whatever its top-k. Experts still in flight join with
+a call of their own when they land; an expert the host computes fills its rows from its blob.
+The layer's output is each token's pair outputs weighted by the router and summed over top-k.
+
+Per pair, the arithmetic is transformers' eager loop's (``F.linear`` on the expert's rows,
+``act(gate) * up``, ``F.linear``, times the routing weight); only the order of the sum over a
+token's k experts differs (top-k order here, ascending expert id there), which moves fp32 results
+by rounding alone. As in the eager loop, a pair's bits may depend on how many rows share its
+expert's matmul (the BLAS picks its kernel by shape), so a verify pass and a plain step agree to
+rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specter.experts.store import ExpertShape
+from specter.timing.dispatch import host_read
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+class LayerRoutes:
+    """One MoE layer's routing ``(T, k)`` on the host, read once.
+
+    Attributes:
+        ids: ``(T, k)`` expert ids (numpy).
+        needed: the experts routed to, ascending.
+    """
+
+    def __init__(self, top_k_index: torch.Tensor):
+        self.ids = np.asarray(host_read(top_k_index), dtype=np.int64).reshape(top_k_index.shape)
+        self.tokens, self.k = self.ids.shape
+        experts, counts = np.unique(self.ids, return_counts=True)
+        self._count = dict(zip(experts.tolist(), counts.tolist(), strict=True))
+        self.needed: list[int] = list(self._count)
+
+    def count(self, expert: int) -> int:
+        """Pairs (token rows) routed to ``expert`` (0 if none)."""
+        return self._count.get(expert, 0)
+
+    def pairs_by_slot(self, slot_of: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs (``t * k + j``) of the experts in ``slot_of``, sorted by their slot (stable), and
+        each pair's slot."""
+        flat = self.ids.reshape(-1)
+        slots = np.array([slot_of.get(int(e), -1) for e in flat], dtype=np.int64)
+        chosen = np.flatnonzero(slots >= 0)
+        order = chosen[np.argsort(slots[chosen], kind="stable")]
+        return order, slots[order]
+
+
+class PairOutputs:
+    """Each (token, top-k position) pair's expert output of one MoE layer, filled in grouped calls.
+
+    Args:
+        hidden: the layer's input rows ``(T, H)``.
+        routes: the layer's routing on the host.
+        weights: the routing weights ``(T, k)``.
+        act_fn: the experts' activation (``module.act_fn``).
+    """
+
+    def __init__(self, hidden: torch.Tensor, routes: LayerRoutes, weights: torch.Tensor,
+                 act_fn: Callable[[torch.Tensor], torch.Tensor]):
+        self.hidden = hidden
+        self.routes = routes
+        self.weights = weights
+        self.act_fn = act_fn
+        self.out = hidden.new_empty(routes.tokens * routes.k, hidden.shape[-1])
+
+    def from_slots(self, storage: torch.Tensor, shape: ExpertShape, slot_of: dict[int, int]) -> None:
+        """Compute the pairs of the experts in ``slot_of`` (expert → slot of ``storage``), in one call."""
+        if not slot_of:
+            return
+        pairs, slots = self.routes.pairs_by_slot(slot_of)
+        k = self.routes.k
+        ends = np.cumsum(np.bincount(slots, minlength=storage.shape[0]))
+        plan = torch.from_numpy(np.concatenate([pairs // k, pairs, ends]).astype(np.int32))
+        plan = plan.to(self.hidden.device, non_blocking=True)
+        n = len(pairs)
+        tokens, rows, offs = plan[:n], plan[n : 2 * n], plan[2 * n :]
+        cut = 2 * shape.intermediate * shape.hidden
+        gate_up = storage[:, :cut].view(-1, 2 * shape.intermediate, shape.hidden)
+        down = storage[:, cut:].view(-1, shape.hidden, shape.intermediate)
+        x = self.hidden.index_select(0, tokens)
+        gate, up = grouped_linear(x, gate_up, offs).chunk(2, dim=-1)
+        y = grouped_linear(self.act_fn(gate) * up, down, offs)
+        self.out.index_put_((rows,), y)
+
+    def from_blob(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Compute ``expert``'s pairs from its own weights (a host-computed expert's blob)."""
+        pairs = np.flatnonzero(self.routes.ids.reshape(-1) == expert)
+        rows = torch.from_numpy(pairs).to(self.hidden.device)
+        x = self.hidden.index_select(0, rows // self.routes.k)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        self.out.index_copy_(0, rows, F.linear(self.act_fn(gate) * up, down))
+
+    def total(self) -> torch.Tensor:
+        """The layer's output: every token's pair outputs times their weights, summed over top-k."""
+        routes = self.routes
+        weighted = self.out.view(routes.tokens, routes.k, -1) * self.weights.unsqueeze(-1)
+        return weighted.to(self.hidden.dtype).sum(dim=1)
+
+
+def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x[rows of group g], weights[g])`` for every group g, in one call.
+
+    Args:
+        x: ``(n, in)`` rows sorted by group.
+        weights: ``(G, out, in)``, one matrix per group (the slot pool's views).
+        ends: ``(G,)`` int32, the cumulative row count at the end of each group.
+    """
+    key = (x.device.type, x.dtype)
+    if _GROUPED_OK.get(key, True):
+        try:
+            return F.grouped_mm(x, weights.transpose(1, 2), offs=ends)
+        except (RuntimeError, NotImplementedError):  # this device or dtype has no grouped kernel
+            _GROUPED_OK[key] = False
+    group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device, dtype=ends.dtype), right=True)
+    return torch.bmm(weights.index_select(0, group), x.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,106 @@
+"""Dispatch: the ops a step issues and the reads of device data it makes, counted as it runs.
+
+On a GPU every op that reaches a kernel is a launch (host time, ~5–10 µs in eager PyTorch) and
+every read of device data into Python a sync that stops the host from running ahead. A step's
+time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so both are counted:
+
+* ``host_read(tensor)`` — the one way the hot path reads device data into Python: it counts the
+  read in ``READS`` (the process-wide total the engine's stats report per request) and returns
+  the values as a list.
+* ``DispatchCount`` — a ``TorchDispatchMode`` that counts the ops reaching a kernel (views,
+  allocations and other metadata-only ops excluded), every ``tolist`` / ``item`` made while it is
+  active (``reads``: through ``host_read`` or not, so a read that bypasses it still shows), and
+  the ops that sync on a GPU by themselves (``nonzero``, boolean indexing, ``unique``: their output
+  shape needs the device's data). Used by tests and ``scripts/dispatch_count.py`` to count through
+  the public API; the hot path does not run under it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that launch no kernel: allocation, metadata, aliasing.
+_FREE = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
+    "_to_copy_noop", "set_", "resize_", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+    "_local_scalar_dense",
+}
+# Ops whose result (shape or value) the host needs from the device: each is a sync on a GPU.
+_SYNCING = {"nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select"}
+
+
+class _Reads:
+    """The process-wide count of ``host_read`` calls (the engine reports its growth per request)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+READS = _Reads()
+_ACTIVE: list[DispatchCount] = []
+
+
+def host_read(tensor: torch.Tensor) -> list[Any]:
+    """``tensor``'s values in Python (``tolist``): one counted read of device data (a sync on a GPU)."""
+    READS.count += 1
+    return tensor.tolist()
+
+
+class DispatchCount(TorchDispatchMode):
+    """Counts ops that reach a kernel (``ops``), implicit syncs (``syncs``) and ``host_read`` calls
+    (``reads``) while active; ``by_name`` breaks the ops down by aten name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+        self.reads = 0
+        self.by_name: dict[str, int] = {}
+
+    def __enter__(self) -> DispatchCount:
+        if not _ACTIVE:
+            _patch_reads()
+        _ACTIVE.append(self)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _unpatch_reads()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in _SYNCING:
+            self.syncs += 1
+        if not (func.is_view or name in _FREE):
+            self.ops += 1
+            self.by_name[name] = self.by_name.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _patch_reads() -> None:
+    """Count ``Tensor.tolist`` and ``Tensor.item`` (which do not all pass the dispatcher) while counting."""
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        _ORIGINAL[name] = original
+
+        def counted(self: torch.Tensor, *args: Any, _original: Any = original) -> Any:
+            for counter in _ACTIVE:
+                counter.reads += 1
+            return _original(self, *args)
+
+        setattr(torch.Tensor, name, counted)
+
+
+def _unpatch_reads() -> None:
+    for name, original in _ORIGINAL.items():
+        setattr(torch.Tensor, name, original)
+    _ORIGINAL.clear()

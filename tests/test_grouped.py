@@ -1,0 +1,100 @@
+"""A layer's experts in grouped calls over the slot pool equal transformers' eager experts loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2MoeConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+from specter.experts.grouped import LayerRoutes, PairOutputs, grouped_linear
+from specter.experts.store import ExpertShape
+from specter.timing.dispatch import DispatchCount
+
+
+def _experts(num: int, hidden: int, inter: int, seed: int) -> Qwen2MoeExperts:
+    config = Qwen2MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=num)
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    module = Qwen2MoeExperts(config)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, 0.2)
+        module.down_proj.normal_(0, 0.2)
+    module.config = config
+    return module.eval()
+
+
+def _pool(module: Qwen2MoeExperts, slot_of: dict[int, int], slots: int) -> tuple[torch.Tensor, ExpertShape]:
+    """A slot pool holding ``module``'s experts where ``slot_of`` says (the other slots garbage)."""
+    shape = ExpertShape(module.hidden_dim, module.intermediate_dim, torch.float32)
+    storage = torch.randn(slots, shape.numel)
+    with torch.no_grad():
+        for expert, slot in slot_of.items():
+            gate_up, down = shape.split(storage[slot])
+            gate_up.copy_(module.gate_up_proj[expert])
+            down.copy_(module.down_proj[expert])
+    return storage, shape
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (9, 64, 4), (40, 6, 3)])
+def test_grouped_calls_equal_the_eager_loop(tokens, experts, top_k):
+    """Resident experts in one call, late ones one call each, one from its own weights (the host's):
+    the layer's output is transformers' eager loop's, whatever the slots and the order."""
+    module = _experts(experts, 16, 12, seed=tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 16, generator=generator)
+    scores = torch.rand(tokens, experts, generator=generator).softmax(-1)
+    weights, index = scores.topk(top_k, dim=-1)
+    with torch.no_grad():
+        expected = module(hidden, index, weights)
+    routes = LayerRoutes(index)
+    assert routes.needed == sorted(set(index.flatten().tolist()))
+    assert all(routes.count(e) == int((index == e).sum()) for e in range(experts))
+    slot_ids = torch.randperm(experts + 5, generator=generator).tolist()
+    slot_of = {e: slot_ids[i] for i, e in enumerate(routes.needed)}
+    storage, shape = _pool(module, slot_of, experts + 5)
+    outputs = PairOutputs(hidden, routes, weights, module.act_fn)
+    needed = routes.needed
+    host, late, ready = needed[:1], needed[1:3], needed[3:]
+    outputs.from_slots(storage, shape, {e: slot_of[e] for e in ready})
+    for e in reversed(late):
+        outputs.from_slots(storage, shape, {e: slot_of[e]})
+    for e in host:
+        outputs.from_blob(e, module.gate_up_proj[e].detach(), module.down_proj[e].detach())
+    torch.testing.assert_close(outputs.total(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_resident_layer_is_a_few_ops_and_one_read():
+    """All experts resident: one read of the routing and a fixed count of ops whatever top-k is."""
+    module = _experts(32, 16, 12, seed=5)
+    storage, shape = _pool(module, {e: e for e in range(32)}, 32)
+    hidden = torch.randn(1, 16)
+    counts = {}
+    for top_k in (2, 8):
+        weights, index = torch.rand(1, 32).softmax(-1).topk(top_k, dim=-1)
+        with DispatchCount() as counted:
+            routes = LayerRoutes(index)
+            outputs = PairOutputs(hidden, routes, weights, module.act_fn)
+            outputs.from_slots(storage, shape, {e: e for e in routes.needed})
+            outputs.total()
+        counts[top_k] = (counted.ops, counted.reads)
+    assert counts[2] == counts[8]
+    assert counts[2][1] == 1 and counts[2][0] <= 9, counts
+
+
+def test_grouped_linear_fallback_equals_the_grouped_kernel():
+    """The loop-free fallback (per-row gathered weights, one ``bmm``) computes what ``grouped_mm`` does."""
+    weights = torch.randn(5, 7, 4)
+    x = torch.randn(6, 4)
+    ends = torch.tensor([2, 2, 3, 6, 6], dtype=torch.int32)
+    kernel = grouped_linear(x, weights, ends)
+    group = torch.tensor([0, 0, 2, 3, 3, 3])
+    expected = torch.stack([weights[g] @ x[i] for i, g in enumerate(group.tolist())])
+    torch.testing.assert_close(kernel, expected)
+    from specter.experts import grouped
+
+    grouped._GROUPED_OK[("cpu", torch.float32)] = False
+    try:
+        torch.testing.assert_close(grouped_linear(x, weights, ends), expected)
+    finally:
+        grouped._GROUPED_OK.pop(("cpu", torch.float32))

@@ -4,7 +4,7 @@
     python scripts/draft_cost.py --threads 1 --dtypes bfloat16,float32   # the draft's compute dtype
     python scripts/draft_cost.py --threads 1 --steps eager,lean           # the decode step's path
 
-Per torch thread count, draft compute dtype and decode-step path (``lean``: ``draft/decode.py``,
+Per torch thread count, draft compute dtype and decode-step path (``lean``: ``models/decode.py``,
 ``eager``: transformers' forward; interleaved by prompt, so load drifts hit every
 setting alike):
 

@@ -15,6 +15,7 @@ from specter.experts.executor import OffloadedExperts
 from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
 from specter.experts.slots import SlotPool
 from specter.memory import MemoryPlan, plan_memory
+from specter.models.decode import LeanStep
 from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
@@ -33,6 +34,8 @@ class OffloadedTarget:
         self.device = device
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.memory_plan: MemoryPlan | None = None
+        # Decode steps and verify passes after the prompt: fewer ops, same arithmetic (models/decode.py).
+        self.lean = LeanStep.for_model(self.model, loaded.family.model_type, fused=True)
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = offload
         offload.policy.attach_model(self.model)
@@ -109,7 +112,10 @@ class OffloadedTarget:
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Logits (fp32) for ``input_ids`` (1, T) continuing ``cache``."""
         self.offload.context = cache.get_seq_length()
-        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
+        input_ids = input_ids.to(self.device)
+        if self.lean is not None and self.lean.takes(input_ids, cache):
+            return self.lean(input_ids, cache).float()
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
         return out.logits.float()
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specter.draft.decode import LeanStep
+from specter.models.decode import LeanStep
 from specter.draft.format.published import Scheme, UnsupportedDraftFormat, quantized_modules, scheme_for
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
@@ -138,7 +138,7 @@ class DraftModel:
                 weights (int4 codes and their scales, bf16 dense parts) are the same either way,
                 and fp32 holds each exactly; on a CPU bf16 matmuls cost more (a ``moe-fine-awq``
                 decode step, one thread: 6.87 ms in bf16, 4.75 ms in fp32, ``docs/draft.md``).
-            lean: take decode steps (not the prompt) through ``LeanStep`` (``draft/decode.py``: the same
+            lean: take decode steps (not the prompt) through ``LeanStep`` (``models/decode.py``: the same
                 operations without transformers' per-call machinery, bit for bit the same
                 logits) where the family allows; False keeps transformers' forward for every step.
         """

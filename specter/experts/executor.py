@@ -149,8 +149,9 @@ class OffloadedExperts:
                 continue
             key = pending.popleft()
             self.wait(key)
-            self._run(outputs, [key], routes)
-            protect.discard(key)
+            landed = [key, *self._take_landed(pending)]  # computed together: one call, not one each
+            self._run(outputs, landed, routes)
+            protect.difference_update(landed)
             self._issue(queue, pending, protect)
         if on_host:
             self._finish_host(on_host)
@@ -253,6 +254,18 @@ class OffloadedExperts:
     def _link_idle(self) -> bool:
         now = self.clock.now()
         return self.link.free_at(now) <= now
+
+    def _take_landed(self, pending: deque[Key]) -> list[Key]:
+        """Take out of ``pending`` the experts whose transfers have landed by now."""
+        now = self.clock.now()
+        landed = []
+        for key in list(pending):
+            transfer = self.pool.transfer_of(key)
+            if transfer is not None and self.link.landing(transfer, now) is not None and transfer.done.is_set():
+                pending.remove(key)
+                self.wait(key)
+                landed.append(key)
+        return landed
 
     def _land_one(self, layer: int, waiting: Key) -> None:
         """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""

@@ -113,6 +113,20 @@ class PairOutputs:
         return weighted.to(self.hidden.dtype).sum(dim=1)
 
 
+def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs on ``device`` in ``dtype`` (tried once on a small case, then remembered)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        try:
+            x = torch.zeros(2, 8, device=device, dtype=dtype)
+            w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+            F.grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([1, 2], device=device, dtype=torch.int32))
+            _GROUPED_OK[key] = True
+        except (RuntimeError, NotImplementedError):  # no grouped kernel for this device or dtype
+            _GROUPED_OK[key] = False
+    return _GROUPED_OK[key]
+
+
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``F.linear(x[rows of group g], weights[g])`` for every group g, in one call.
 
@@ -121,11 +135,7 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -
         weights: ``(G, out, in)``, one matrix per group (the slot pool's views).
         ends: ``(G,)`` int32, the cumulative row count at the end of each group.
     """
-    key = (x.device.type, x.dtype)
-    if _GROUPED_OK.get(key, True):
-        try:
-            return F.grouped_mm(x, weights.transpose(1, 2), offs=ends)
-        except (RuntimeError, NotImplementedError):  # this device or dtype has no grouped kernel
-            _GROUPED_OK[key] = False
+    if has_grouped_mm(x.device, x.dtype):
+        return F.grouped_mm(x, weights.transpose(1, 2), offs=ends)
     group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device, dtype=ends.dtype), right=True)
     return torch.bmm(weights.index_select(0, group), x.unsqueeze(-1)).squeeze(-1)

@@ -1,4 +1,4 @@
-"""The draft's lean decode step (``draft/decode.py``) against transformers' own forward of the same draft."""
+"""The draft's lean decode step (``models/decode.py``) against transformers' own forward of the same draft."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specter.assets import DEFAULT_MODEL
-from specter.draft.decode import LEAN_FAMILIES
+from specter.models.decode import LEAN_FAMILIES
 from specter.draft.runner import DraftModel
 
 # Steps after the prompt: one token, a catch-up of two or three, and crops of a rejected suffix.

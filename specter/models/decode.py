@@ -1,4 +1,4 @@
-"""The draft's decode steps, without transformers' per-call machinery.
+"""Decode steps (one token, a verify window, a catch-up) without transformers' per-call machinery.
 
 A decode step of a small draft is mostly not arithmetic: on this project's CPU a one-token forward
 of ``moe-fine-awq`` spends about a quarter of its time in transformers' wrappers (input checks,
@@ -16,6 +16,15 @@ families, a sliding window, another attention implementation, and the prompt (an
 take transformers' forward. Several tokens after a cache (a round's catch-up: the last draft token
 and the bonus) attend through the causal mask transformers builds for them, a boolean
 ``(1, 1, T, past + T)``.
+
+``fused=True`` (the target's, and the draft's unless it must match transformers bit for bit) also
+issues fewer ops for the same arithmetic: q, k and v in one linear, the rotation of q and k (and
+qwen3's per-head norms) on both at once, the shared expert's gate, up and gate-score projections
+in one linear. The fused weights are made once at construction, and the modules' own weights
+become views of them, so memory is not doubled and transformers' forward (the prompt) reads the
+same bytes. A fused step matches the eager forward to rounding, not bit for bit (a longer matmul
+may take another BLAS kernel): the target's lossless tests compare tokens with transformers'
+``generate`` and the engine's plain decoding.
 """
 
 from __future__ import annotations
@@ -49,15 +58,16 @@ def _is_rms(module: Any) -> bool:
 
 
 class LeanStep:
-    """``step(token_ids (1, T), cache) -> logits (1, T, V)`` for a supported draft model."""
+    """``step(token_ids (1, T), cache) -> logits (1, T, V)`` for a supported model (``fused``: see above)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fused: bool = False):
         self.model = model
         self.inner: Any = model.get_decoder()  # type: ignore[operator]
         self.layers = list(self.inner.layers)
+        self.fused = [_Fused(layer) for layer in self.layers] if fused else None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, model_type: str) -> LeanStep | None:
+    def for_model(cls, model: torch.nn.Module, model_type: str, fused: bool = False) -> LeanStep | None:
         """A lean step for ``model``, or None where it must take transformers' forward."""
         config: Any = model.config
         if model_type not in LEAN_FAMILIES or config._attn_implementation != "sdpa":
@@ -77,7 +87,7 @@ class LeanStep:
             for name in ("q_norm", "k_norm"):
                 if hasattr(attention, name) and not _is_rms(getattr(attention, name)):
                     return None
-        return cls(model)
+        return cls(model, fused)
 
     def takes(self, input_ids: torch.Tensor, cache: DynamicCache | None) -> bool:
         """Whether this step computes ``input_ids`` after ``cache`` (one sequence; a prompt does not)."""
@@ -98,11 +108,14 @@ class LeanStep:
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for layer in self.layers:
-            hidden = hidden + self._attention(
-                layer.self_attn, _rms(layer.input_layernorm, hidden), cos, sin, mask, cache
-            )
-            hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
+        for i, layer in enumerate(self.layers):
+            x = _rms(layer.input_layernorm, hidden)
+            if self.fused is None:
+                hidden = hidden + self._attention(layer.self_attn, x, cos, sin, mask, cache)
+                hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
+            else:
+                hidden = hidden + self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache)
+                hidden = hidden + self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
         return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
 
     @staticmethod
@@ -140,3 +153,89 @@ class LeanStep:
         if shared is not None:
             out = out + torch.sigmoid(F.linear(flat, mlp.shared_expert_gate.weight)) * shared_out
         return out.view(x.shape)  # type: ignore[no-any-return]
+
+
+def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``_rms`` with a given weight (qwen3's q and k head norms stacked: one weight row per head)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
+    """The ``name`` tensors of ``modules`` stacked by rows; each module's becomes a view of it."""
+    parts = [getattr(m, name, None) for m in modules]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError(f"fused step: {name} is set on some of the fused projections and not others")
+    fused = torch.cat([p.detach() for p in parts])
+    start = 0
+    for module, part in zip(modules, parts, strict=True):
+        setattr(module, name, torch.nn.Parameter(fused[start : start + part.shape[0]], requires_grad=False))
+        start += part.shape[0]
+    return fused
+
+
+class _Fused:
+    """One layer's fused projections (``LeanStep(fused=True)``)."""
+
+    def __init__(self, layer: Any):
+        attention = layer.self_attn
+        self.q_heads = attention.q_proj.weight.shape[0] // attention.head_dim
+        self.kv_heads = attention.k_proj.weight.shape[0] // attention.head_dim
+        projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+        self.qkv = (_fuse(projections, "weight"), _fuse(projections, "bias"))
+        self.qk_norm: tuple[torch.Tensor, float] | None = None
+        if hasattr(attention, "q_norm"):
+            q_norm, k_norm = attention.q_norm, attention.k_norm
+            weight = torch.cat([q_norm.weight.detach().expand(self.q_heads, -1),
+                                k_norm.weight.detach().expand(self.kv_heads, -1)])
+            if q_norm.variance_epsilon != k_norm.variance_epsilon:
+                raise ValueError("fused step: the q and k head norms have different epsilons")
+            self.qk_norm = (weight, q_norm.variance_epsilon)
+        mlp = layer.mlp
+        self.shared: torch.Tensor | None = None
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:
+            parts = [shared.gate_proj, shared.up_proj, mlp.shared_expert_gate]
+            if all(getattr(p, "bias", None) is None for p in parts):
+                self.shared = _fuse(parts, "weight")
+
+    def attention(
+        self, attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        tokens = x.shape[1]
+        weight, bias = self.qkv
+        assert weight is not None
+        qkv = F.linear(x, weight, bias).view(1, tokens, -1, attention.head_dim)
+        split = self.q_heads + self.kv_heads
+        qk, v = qkv[:, :, :split], qkv[:, :, split:]
+        if self.qk_norm is not None:  # qwen3_moe: per head, before the rotation
+            qk = _rms_weight(qk, *self.qk_norm)
+        qk = qk.transpose(1, 2)
+        qk = qk * cos + _rotate_half(qk) * sin
+        k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
+        out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
+                                        scaling=attention.scaling)
+        return F.linear(out.reshape(1, tokens, -1), attention.o_proj.weight, attention.o_proj.bias)
+
+    def mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(mlp, "experts"):  # a dense layer (qwen2_moe's mlp_only_layers)
+            return mlp(x)  # type: ignore[no-any-return]
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None and self.shared is None:  # projections with biases: unfused
+            return LeanStep._mlp(mlp, x)
+        flat = x.view(x.shape[1], -1)
+        _, weights, ids = mlp.gate(flat)  # the router module: the draft's routing hook records it
+        out = mlp.experts(flat, ids, weights)
+        if shared is None:
+            return out.view(x.shape)  # type: ignore[no-any-return]
+        assert self.shared is not None
+        inter = shared.gate_proj.weight.shape[0]
+        projected = F.linear(flat, self.shared)
+        gate, up, score = projected[:, :inter], projected[:, inter : 2 * inter], projected[:, 2 * inter :]
+        shared_out = F.linear(shared.act_fn(gate) * up, shared.down_proj.weight)
+        return (out + torch.sigmoid(score) * shared_out).view(x.shape)  # type: ignore[no-any-return]

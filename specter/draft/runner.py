@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specter.models.decode import LeanStep
 from specter.draft.format.published import Scheme, UnsupportedDraftFormat, quantized_modules, scheme_for
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
+from specter.models.decode import LeanStep
 from specter.models.families import family_for
 from specter.models.loader import LoadedModel, build_dense
 from specter.models.routing import Routing, router_modules

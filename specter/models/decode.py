@@ -165,10 +165,11 @@ def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
     """The ``name`` tensors of ``modules`` stacked by rows; each module's becomes a view of it."""
-    parts = [getattr(m, name, None) for m in modules]
-    if all(p is None for p in parts):
+    given = [getattr(m, name, None) for m in modules]
+    if all(p is None for p in given):
         return None
-    if any(p is None for p in parts):
+    parts = [p for p in given if p is not None]
+    if len(parts) != len(given):
         raise ValueError(f"fused step: {name} is set on some of the fused projections and not others")
     fused = torch.cat([p.detach() for p in parts])
     start = 0

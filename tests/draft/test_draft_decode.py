@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specter.assets import DEFAULT_MODEL
-from specter.models.decode import LEAN_FAMILIES
 from specter.draft.runner import DraftModel
+from specter.models.decode import LEAN_FAMILIES
 
 # Steps after the prompt: one token, a catch-up of two or three, and crops of a rejected suffix.
 _STEPS = (1, 1, 2, 1, 3, "crop", 1, 2, "crop", 1)

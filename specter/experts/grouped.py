@@ -8,12 +8,12 @@ slots are computed together — rows gathered once, sorted by slot, one grouped 
 slots no pair uses are empty groups), the rows put back in pair order — so a layer whose experts
 are all resident is a fixed handful of ops, whatever its top-k. Experts still in flight join with
 a call of their own when they land; an expert the host computes fills its rows from its blob.
-The layer's output is each token's pair outputs weighted by the router and summed over top-k.
+The layer's output is each token's pair outputs weighted by the router and summed over top-k, in
+one batched matmul.
 
 Per pair, the arithmetic is transformers' eager loop's (``F.linear`` on the expert's rows,
-``act(gate) * up``, ``F.linear``, times the routing weight); only the order of the sum over a
-token's k experts differs (top-k order here, ascending expert id there), which moves fp32 results
-by rounding alone. As in the eager loop, a pair's bits may depend on how many rows share its
+``act(gate) * up``, ``F.linear``); the weighted sum over a token's k experts is one batched matmul
+here and k rounded adds in ascending expert id there, which moves results by rounding alone. As in the eager loop, a pair's bits may depend on how many rows share its
 expert's matmul (the BLAS picks its kernel by shape), so a verify pass and a plain step agree to
 rounding, not bit for bit.
 """
@@ -109,8 +109,8 @@ class PairOutputs:
     def total(self) -> torch.Tensor:
         """The layer's output: every token's pair outputs times their weights, summed over top-k."""
         routes = self.routes
-        weighted = self.out.view(routes.tokens, routes.k, -1) * self.weights.unsqueeze(-1)
-        return weighted.to(self.hidden.dtype).sum(dim=1)
+        pairs = self.out.view(routes.tokens, routes.k, -1)
+        return torch.bmm(self.weights.unsqueeze(1).to(pairs.dtype), pairs).squeeze(1)
 
 
 def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:

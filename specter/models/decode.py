@@ -17,10 +17,11 @@ take transformers' forward. Several tokens after a cache (a round's catch-up: th
 and the bonus) attend through the causal mask transformers builds for them, a boolean
 ``(1, 1, T, past + T)``.
 
-``fused=True`` (the target's, and the draft's unless it must match transformers bit for bit) also
-issues fewer ops for the same arithmetic: q, k and v in one linear, the rotation of q and k (and
-qwen3's per-head norms) on both at once, the shared expert's gate, up and gate-score projections
-in one linear. The fused weights are made once at construction, and the modules' own weights
+``fused=True`` (the target's and the draft's) also issues fewer ops for the same arithmetic: q, k
+and v in one linear, the rotation of q and k (and qwen3's per-head norms) on both at once, the
+router and the shared expert's gate, up and gate-score projections in one linear, the router's
+softmax and top-k inline (its choice kept on the device in ``routing()``, read by the caller
+once per step rather than by a hook per layer). The fused weights are made once at construction, and the modules' own weights
 become views of them, so memory is not doubled and transformers' forward (the prompt) reads the
 same bytes. A fused step matches the eager forward to rounding, not bit for bit (a longer matmul
 may take another BLAS kernel): the target's lossless tests compare tokens with transformers'
@@ -66,6 +67,11 @@ class LeanStep:
         self.layers = list(self.inner.layers)
         self.fused = [_Fused(layer) for layer in self.layers] if fused else None
 
+    def routing(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Fused only: layer → (top-k ids, their router probabilities) of the latest step, on the device."""
+        assert self.fused is not None
+        return {i: f.routing for i, f in enumerate(self.fused) if f.routing is not None}
+
     @classmethod
     def for_model(cls, model: torch.nn.Module, model_type: str, fused: bool = False) -> LeanStep | None:
         """A lean step for ``model``, or None where it must take transformers' forward."""
@@ -108,6 +114,9 @@ class LeanStep:
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.fused is not None:  # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated)
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for i, layer in enumerate(self.layers):
             x = _rms(layer.input_layernorm, hidden)
             if self.fused is None:
@@ -197,12 +206,24 @@ class _Fused:
                 raise ValueError("fused step: the q and k head norms have different epsilons")
             self.qk_norm = (weight, q_norm.variance_epsilon)
         mlp = layer.mlp
-        self.shared: torch.Tensor | None = None
+        self.routed = hasattr(mlp, "experts")
+        self.projection: torch.Tensor | None = None  # router, then the shared expert's gate, up, score
+        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, probs) of the latest call
+        if not self.routed:
+            return
+        router = mlp.gate
+        self.experts, self.top_k = router.weight.shape[0], router.top_k
+        # qwen2/qwen3 routers say whether they renormalize and return the model's dtype; mixtral's always
+        # renormalize and return fp32 (their forwards in transformers)
+        self.normalize = getattr(router, "norm_topk_prob", True)
+        self.float_weights = not hasattr(router, "norm_topk_prob")
         shared = getattr(mlp, "shared_expert", None)
+        parts = [router]
         if shared is not None:
-            parts = [shared.gate_proj, shared.up_proj, mlp.shared_expert_gate]
-            if all(getattr(p, "bias", None) is None for p in parts):
-                self.shared = _fuse(parts, "weight")
+            self.inter = shared.gate_proj.weight.shape[0]
+            parts += [shared.gate_proj, shared.up_proj, mlp.shared_expert_gate]
+        if all(getattr(p, "bias", None) is None for p in parts):
+            self.projection = _fuse(parts, "weight")
 
     def attention(
         self, attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
@@ -217,26 +238,29 @@ class _Fused:
         if self.qk_norm is not None:  # qwen3_moe: per head, before the rotation
             qk = _rms_weight(qk, *self.qk_norm)
         qk = qk.transpose(1, 2)
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # ``sin`` signed: see ``LeanStep.__call__``
         k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
         out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
                                         scaling=attention.scaling)
         return F.linear(out.reshape(1, tokens, -1), attention.o_proj.weight, attention.o_proj.bias)
 
     def mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        if not hasattr(mlp, "experts"):  # a dense layer (qwen2_moe's mlp_only_layers)
+        """The MoE block; the router's choice is kept in ``routing`` (ids and their probabilities)."""
+        if not self.routed:  # a dense layer (qwen2_moe's mlp_only_layers)
             return mlp(x)  # type: ignore[no-any-return]
-        shared = getattr(mlp, "shared_expert", None)
-        if shared is not None and self.shared is None:  # projections with biases: unfused
+        if self.projection is None:  # projections with biases: unfused
             return LeanStep._mlp(mlp, x)
         flat = x.view(x.shape[1], -1)
-        _, weights, ids = mlp.gate(flat)  # the router module: the draft's routing hook records it
-        out = mlp.experts(flat, ids, weights)
-        if shared is None:
+        projected = F.linear(flat, self.projection)
+        logits = projected[:, : self.experts]
+        probs, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        self.routing = (ids, probs)
+        weights = probs / probs.sum(dim=-1, keepdim=True) if self.normalize else probs
+        out = mlp.experts(flat, ids, weights if self.float_weights else weights.to(logits.dtype))
+        if projected.shape[1] == self.experts:
             return out.view(x.shape)  # type: ignore[no-any-return]
-        assert self.shared is not None
-        inter = shared.gate_proj.weight.shape[0]
-        projected = F.linear(flat, self.shared)
-        gate, up, score = projected[:, :inter], projected[:, inter : 2 * inter], projected[:, 2 * inter :]
+        shared, start = mlp.shared_expert, self.experts
+        gate, up = projected[:, start : start + self.inter], projected[:, start + self.inter : start + 2 * self.inter]
         shared_out = F.linear(shared.act_fn(gate) * up, shared.down_proj.weight)
+        score = projected[:, start + 2 * self.inter :]
         return (out + torch.sigmoid(score) * shared_out).view(x.shape)  # type: ignore[no-any-return]

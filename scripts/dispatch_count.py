@@ -2,8 +2,9 @@
 into Python, per MoE layer per committed token (``specter/timing/dispatch.py``).
 
 A held-out model (never used to tune anything: a seeded Qwen2-MoE of 4 MoE layers x 32 experts,
-top-4, with a shared expert; or ``--model DIR``) and an int4 RTN draft of it (``specter quantize``)
-are built in a temporary folder. Each setting generates ``--tokens`` + 1 new tokens and 1 new
+top-4, with a shared expert; or ``--model DIR``) and a draft of it (``specter quantize``, int8 by
+default: it agrees with the target nearly always, so a round's count is that of rounds that stand;
+``--method rtn`` for int4) are built in a temporary folder. Each setting generates ``--tokens`` + 1 new tokens and 1 new
 token after the same prompt; the difference is the decode's own dispatch.
 
     python scripts/dispatch_count.py [--tokens 32] [--json OUT]
@@ -50,32 +51,36 @@ def held_out_model(folder: Path) -> Path:
     return folder
 
 
-def rtn_draft(model: Path, out: Path) -> Path:
+def make_draft(model: Path, out: Path, method: str) -> Path:
     from specter.draft.quantize.model import quantize_model
 
-    quantize_model(str(model), str(out), method="rtn", group_size=32)
+    quantize_model(str(model), str(out), method=method, group_size=32)
     return out
 
 
-def count(engine: Engine, prompt: list[int], tokens: int) -> tuple[DispatchCount, int]:
-    """Dispatch of ``tokens`` committed decode tokens (a run of tokens + 1 less a run of 1)."""
+def count(engine: Engine, prompt: list[int], tokens: int) -> tuple[DispatchCount, int, float]:
+    """Dispatch of ``tokens`` committed decode tokens (a run of tokens + 1 less a run of 1), and the
+    mean tokens a round committed."""
     runs = []
     for new in (1, tokens + 1):
         engine.target.offload.reset_residency()
         with DispatchCount() as counted:
-            ids, _ = engine.generate(prompt, new)
+            ids, stats = engine.generate(prompt, new)
         runs.append((counted, len(ids)))
     (short, n1), (long, n2) = runs
     diff = DispatchCount()
     diff.ops, diff.reads, diff.syncs = long.ops - short.ops, long.reads - short.reads, long.syncs - short.syncs
     diff.by_name = {k: v - short.by_name.get(k, 0) for k, v in long.by_name.items()}
-    return diff, n2 - n1
+    rounds = stats.extra.get("rounds") or len(ids)
+    return diff, n2 - n1, len(ids) / rounds
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a checkpoint folder (default: the held-out model)")
-    parser.add_argument("--draft", help="its draft (default: an RTN int4 draft made here)")
+    parser.add_argument("--draft", help="its draft (default: one made here by --method)")
+    parser.add_argument("--method", default="int8", choices=("int8", "rtn", "awq"), help="the draft made here")
+    parser.add_argument("--mode", default="dequant-cache", help="the draft's compute mode (default dequant-cache)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", help="write the counts here")
     parser.add_argument("--top", type=int, default=0, help="also list the N most frequent ops per setting")
@@ -84,23 +89,24 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else held_out_model(Path(tmp) / "model")
-        draft_dir = Path(args.draft) if args.draft else rtn_draft(model, Path(tmp) / "draft")
-        draft = load_draft(draft_dir, device="cpu", mode="dequant-cache")
+        draft_dir = Path(args.draft) if args.draft else make_draft(model, Path(tmp) / "draft", args.method)
+        draft = load_draft(draft_dir, device="cpu", mode=args.mode)
         prompt = list(range(3, 11))
         for name, budget, policy, window in SETTINGS:
             target = OffloadedTarget.load(model, SlotConfig(fraction=budget), LinkConfig(kind="sim", bandwidth=1e12,
                                           latency=0.0), policy=policy, device="cpu")
             engine = Engine(target, draft if window else None, window=window)
-            counted, tokens = count(engine, prompt, args.tokens)
+            counted, tokens, per_round = count(engine, prompt, args.tokens)
             per = tokens * len(target.loaded.moe_layers)
-            rows.append({"setting": name, "tokens": tokens, "ops": counted.ops / per, "reads": counted.reads / per,
+            rows.append({"setting": name, "tokens": tokens, "tokens_per_round": per_round, "ops": counted.ops / per, "reads": counted.reads / per,
                          "syncs": counted.syncs / per,
                          "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
             target.close()
-    print("| setting | ops / MoE layer / token | host reads | implicit syncs |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| setting | ops / MoE layer / token | host reads | implicit syncs | tokens / round |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['setting']} | {row['ops']:.1f} | {row['reads']:.2f} | {row['syncs']:.2f} |")
+        print(f"| {row['setting']} | {row['ops']:.1f} | {row['reads']:.2f} | {row['syncs']:.2f} "
+              f"| {row['tokens_per_round']:.2f} |")
         if args.top:
             print("    " + ", ".join(f"{k} {v}" for k, v in row["top"]))
     if args.json:

@@ -79,9 +79,9 @@ def draft_seed(seed: int) -> int:
 
 def plan_delta(round_id: int, step: int, routing: Routing) -> PlanDelta:
     """A draft step's routing (top-k ids and router weights per MoE layer) as a plan delta."""
-    layers = sorted(routing)
-    experts = [routing[layer][0].flatten().tolist() for layer in layers]
-    probs = [routing[layer][1].flatten().tolist() for layer in layers]
+    layers = sorted(routing)  # host tensors (the draft read them once): numpy, no device read here
+    experts = [routing[layer][0].numpy().ravel().tolist() for layer in layers]
+    probs = [routing[layer][1].numpy().ravel().tolist() for layer in layers]
     return PlanDelta(round_id, step, layers, experts, probs)
 
 

@@ -169,11 +169,34 @@ class ExpertKernels:
             else:  # act-order checkpoints order gate's and up's inputs differently
                 self._gate_up[key] = _Pair(self._make(gate, dtype, device), self._make(up, dtype, device))
             self._down[key] = self._make(down, dtype, device)
+        self.stacked = self._stack(experts, dtype, device) if mode == "dequant-cache" else {}
         if self.kernel_fallbacks:
             log.info(
                 "int4-kernel: %d projections outside the kernel's shapes use the dequantized cache",
                 self.kernel_fallbacks,
             )
+
+    def _stack(
+        self, experts: dict[Key, ExpertWeights], dtype: torch.dtype, device: torch.device,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """layer → ``(gate_up (E, 2I, H), down (E, H, I))`` of its dequantized experts, for grouped calls;
+        each expert's weights become views of them (no second copy). Layers whose gate and up could
+        not be fused (act-order) are left out."""
+        stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in sorted({key[0] for key in experts}):
+            keys = sorted(key for key in experts if key[0] == layer)
+            gate_ups = [self._gate_up[key] for key in keys]
+            downs = [self._down[key] for key in keys]
+            if not all(isinstance(p, _Dense) for p in (*gate_ups, *downs)):
+                continue
+            if keys != [(layer, e) for e in range(len(keys))]:
+                continue
+            gate_up = torch.stack([p.weight for p in gate_ups])  # type: ignore[attr-defined]
+            down = torch.stack([p.weight for p in downs])  # type: ignore[attr-defined]
+            for i, (a, b) in enumerate(zip(gate_ups, downs, strict=True)):
+                a.weight, b.weight = gate_up[i], down[i]  # type: ignore[attr-defined]
+            stacked[layer] = (gate_up, down)
+        return stacked
 
     def _make(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device) -> Projection:
         if self.mode == "dequant-on-the-fly":

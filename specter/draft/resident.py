@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specter.models.routing import RoutingRecorder
+from specter.models.routing import Routing, RoutingRecorder, read_routing
 
 
 class ResidentDraft:
@@ -22,10 +22,7 @@ class ResidentDraft:
         self.model.to(device).eval()  # type: ignore[arg-type]
         self.device = torch.device(device)
         self.recorder = RoutingRecorder(self.model)
-
-    @property
-    def last_routing(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return self.recorder.last
+        self.last_routing: Routing = {}  # the latest forward's, on the host (one read per forward)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
@@ -33,4 +30,5 @@ class ResidentDraft:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
+        self.last_routing = read_routing(self.recorder.last)
         return out.logits.float()

@@ -19,11 +19,13 @@ from transformers import DynamicCache
 
 from specter.draft.format.published import Scheme, UnsupportedDraftFormat, quantized_modules, scheme_for
 from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
+from specter.experts.grouped import resident_experts
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.decode import LeanStep
 from specter.models.families import family_for
 from specter.models.loader import LoadedModel, build_dense
-from specter.models.routing import Routing, router_modules
+from specter.models.routing import Routing, read_routing, router_modules
+from specter.timing.dispatch import host_read
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +40,19 @@ class DraftStep:
 
 
 class DraftExperts:
-    """The experts runner of every draft MoE layer: all experts resident, tokens grouped per expert."""
+    """The experts runner of every draft MoE layer: all experts resident.
 
-    def __init__(self, kernels: ExpertKernels):
+    Where a layer's experts are stacked (``dequant-cache``: ``ExpertKernels.stacked``) the layer is
+    grouped calls over them with the pairs sorted on the device (``experts/grouped.py:
+    resident_experts``): no read of device data, the same ops whatever the routing. Otherwise
+    (the int4 kernel and the packed mode compute one expert per call) the routing is read once
+    and each expert runs on a contiguous slice of rows, summed in ascending id order as
+    transformers' loop does.
+    """
+
+    def __init__(self, kernels: ExpertKernels, grouped: bool = True):
         self.kernels = kernels
+        self.grouped = grouped  # False: always the per-expert loop (bit for bit transformers' sums)
 
     def forward(
         self,
@@ -51,32 +62,20 @@ class DraftExperts:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Every token's k experts with the draft's quantized weights, weighted and summed.
-
-        A decode step (one token) runs its k experts on the one row and sums the weighted rows.
-        Several tokens are sorted by expert once, so each expert runs on a contiguous slice of
-        rows and scatters them back to their tokens — not transformers' per-expert ``where``.
-        Either way the experts go in ascending id order and each expert's rows in (top-k
-        position, token) order, as transformers' loop takes them: the sums are bit for bit its.
-        """
-        if hidden.shape[0] == 1:
-            chosen = sorted(zip(top_k_index[0].tolist(), range(top_k_index.shape[1]), strict=True))
-            outs = [self._expert(module, layer, expert, hidden) for expert, _ in chosen]
-            weights = top_k_weights[0, [pos for _, pos in chosen], None]
-            weighted = (torch.cat(outs) * weights).to(hidden.dtype)
-            total = weighted[:1]
-            for row in weighted[1:]:  # one add at a time: rounds as transformers' index_add_ does
-                total = total + row
-            return total
+        """Every token's k experts with the draft's quantized weights, weighted and summed."""
+        stacked = self.kernels.stacked.get(layer) if self.grouped else None
+        if stacked is not None:
+            return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn)
         tokens = hidden.shape[0]
         flat = top_k_index.T.flatten()  # (top-k position, token) order
         order = torch.argsort(flat, stable=True)
         rows = order % tokens
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        sizes = counts.tolist()
+        ids = host_read(flat[order])  # the one read: which experts to call
+        experts = sorted(set(ids))
+        sizes = [ids.count(e) for e in experts]
         final = torch.zeros_like(hidden)
         for expert, part, at, weight in zip(
-            experts.tolist(), hidden[rows].split(sizes), rows.split(sizes),
+            experts, hidden[rows].split(sizes), rows.split(sizes),
             top_k_weights.T.flatten()[order, None].split(sizes), strict=True,
         ):  # one index_add_ per expert: bf16 sums round after each expert, as transformers' do
             final.index_add_(0, at, (self._expert(module, layer, expert, part) * weight).to(hidden.dtype))
@@ -97,12 +96,13 @@ class DraftModel:
         timings: seconds per expert per mode measured by ``auto`` (empty when a mode was forced).
         packed_bytes: bytes of every expert in the packed format (what the device must hold).
         dense_bytes: bytes of the dense parts.
-        last_routing: layer → (ids LongTensor (T, k), probs FloatTensor (T, k)) of the last forward.
+        last_routing: layer → (ids LongTensor (T, k), probs FloatTensor (T, k)) of the last forward, on
+            the host: read from the device once per forward, all layers together.
     """
 
     def __init__(
         self, loaded: LoadedModel, kernels: ExpertKernels, device: torch.device, packed_bytes: int,
-        lean: bool = True,
+        lean: bool = True, fused: bool = True, grouped: bool = True,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -113,19 +113,20 @@ class DraftModel:
         self.dense_bytes = loaded.dense_bytes
         self.timings: dict[str, float] = {}
         self.last_routing: Routing = {}
-        runner = DraftExperts(kernels)
+        self._routing: Routing = {}  # the forward running now's, on the device (the routers' hooks)
+        runner = DraftExperts(kernels, grouped)
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = runner
         self._hooks = [
             router.register_forward_hook(self._recorder(layer))
             for layer, router in router_modules(loaded.model).items()
         ]
-        self.lean = LeanStep.for_model(loaded.model, loaded.family.model_type) if lean else None
+        self.lean = LeanStep.for_model(loaded.model, loaded.family.model_type, fused) if lean else None
 
     @classmethod
     def load(
         cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto",
-        dtype: torch.dtype | None = None, lean: bool = True,
+        dtype: torch.dtype | None = None, lean: bool = True, fused: bool = True, grouped: bool = True,
     ) -> DraftModel:
         """Load a quantized draft: a folder written by ``specter quantize``, or a published int4
         checkpoint of the target (AutoAWQ GEMM, GPTQ, compressed-tensors; ``format.published``).
@@ -139,8 +140,12 @@ class DraftModel:
                 and fp32 holds each exactly; on a CPU bf16 matmuls cost more (a ``moe-fine-awq``
                 decode step, one thread: 6.87 ms in bf16, 4.75 ms in fp32, ``docs/draft.md``).
             lean: take decode steps (not the prompt) through ``LeanStep`` (``models/decode.py``: the same
-                operations without transformers' per-call machinery, bit for bit the same
-                logits) where the family allows; False keeps transformers' forward for every step.
+                operations without transformers' per-call machinery) where the family allows; False
+                keeps transformers' forward for every step.
+            fused: the lean step's fused projections (fewer ops, the same logits to rounding); False:
+                bit for bit transformers' forward of the same experts runner.
+            grouped: stacked experts in grouped calls (``DraftExperts``); False: one call per expert,
+                summed as transformers' loop sums (bit for bit its, with ``fused=False``).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None and device.type == "cpu":
@@ -171,7 +176,7 @@ class DraftModel:
             mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
         kernels = ExpertKernels(experts, mode, loaded.shape.dtype, device)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
-        draft = cls(loaded, kernels, device, packed_bytes, lean=lean)
+        draft = cls(loaded, kernels, device, packed_bytes, lean=lean, fused=fused, grouped=grouped)
         draft.timings = timings
         log.info(
             "draft %s: %s, experts %.2f MB packed, %.2f MB in compute form, dense %.2f MB",
@@ -203,12 +208,16 @@ class DraftModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
         """Logits (fp32, ``(1, T, V)``) for ``input_ids`` (1, T) continuing ``cache``; sets ``last_routing``."""
-        self.last_routing = {}
+        self._routing = {}
         input_ids = input_ids.to(self.device)
         if self.lean is not None and self.lean.takes(input_ids, cache):
-            return self.lean(input_ids, cache).float()  # type: ignore[arg-type]
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None)
-        return out.logits.float()
+            logits = self.lean(input_ids, cache)  # type: ignore[arg-type]
+            if self.lean.fused is not None:  # its routers ran inline, not through the hooks
+                self._routing = self.lean.routing()
+        else:
+            logits = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None).logits
+        self.last_routing = read_routing(self._routing)
+        return logits.float()
 
     def step(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> DraftStep:
         """One forward with its routing."""
@@ -230,7 +239,7 @@ class DraftModel:
             logits, _, indices = output
             ids = indices.reshape(-1, indices.shape[-1]).long()
             probs = torch.softmax(logits.reshape(ids.shape[0], -1).float(), dim=-1).gather(1, ids)
-            self.last_routing[layer] = (ids.cpu(), probs.cpu())
+            self._routing[layer] = (ids, probs)
 
         return hook
 

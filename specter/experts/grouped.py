@@ -30,6 +30,7 @@ from specter.experts.store import ExpertShape
 from specter.timing.dispatch import host_read
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+_EXPERT_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 class LayerRoutes:
@@ -111,6 +112,36 @@ class PairOutputs:
         routes = self.routes
         pairs = self.out.view(routes.tokens, routes.k, -1)
         return torch.bmm(self.weights.unsqueeze(1).to(pairs.dtype), pairs).squeeze(1)
+
+
+def resident_experts(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A MoE layer whose experts are all resident, stacked (the draft's): no read of device data.
+
+    The pairs are sorted by expert on the device and the group ends found by a search of the
+    sorted ids (no ``bincount``, whose output size a GPU would have to read), so the layer is a
+    fixed sequence of ops with static shapes.
+
+    Args:
+        hidden: ``(T, H)``; top_k_index, top_k_weights: ``(T, k)``.
+        gate_up: ``(E, 2I, H)``; down: ``(E, H, I)``: every expert's weights.
+        act_fn: the experts' activation.
+    """
+    tokens, k = top_k_index.shape
+    experts = gate_up.shape[0]
+    key = (experts, hidden.device)
+    if key not in _EXPERT_IDS:
+        _EXPERT_IDS[key] = torch.arange(experts, device=hidden.device)
+    sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    ends = torch.searchsorted(sorted_ids, _EXPERT_IDS[key], right=True, out_int32=True)
+    x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    gate, up = grouped_linear(x, gate_up, ends).chunk(2, dim=-1)
+    y = grouped_linear(act_fn(gate) * up, down, ends)
+    pairs = hidden.new_empty(tokens * k, hidden.shape[-1]).index_put_((order,), y)
+    weights = top_k_weights.unsqueeze(1).to(pairs.dtype)
+    return torch.bmm(weights, pairs.view(tokens, k, -1)).squeeze(1)
 
 
 def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
+
+from specter.timing.dispatch import host_read
 
 # layer → (top-k expert ids (T, k), their router probabilities (T, k)) of one forward
 Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -48,3 +51,17 @@ class RoutingRecorder:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def read_routing(routing: Routing) -> Routing:
+    """``routing`` (on the device) on the host, every layer's ids and probabilities in one read."""
+    if not routing:
+        return {}
+    layers = sorted(routing)
+    ids = torch.stack([routing[layer][0] for layer in layers])
+    probs = torch.stack([routing[layer][1] for layer in layers])
+    values = np.asarray(host_read(torch.cat((ids.flatten().float(), probs.flatten().float()))), dtype=np.float32)
+    count = ids.numel()
+    host_ids = values[:count].astype(np.int64).reshape(ids.shape)
+    host_probs = values[count:].reshape(ids.shape)
+    return {layer: (torch.from_numpy(host_ids[i]), torch.from_numpy(host_probs[i])) for i, layer in enumerate(layers)}

@@ -199,7 +199,7 @@ def test_bf16_checkpoint_keeps_bf16_scales_and_dense_parts(tmp_path, calib_ids) 
 
 
 
-def _same_experts_loop(plain: str, draft_folder: str, dtype: torch.dtype) -> None:
+def _same_experts_loop(plain: str, draft_folder: str, dtype: torch.dtype, grouped: bool = False) -> None:
     draft = DraftModel.load(draft_folder, device="cpu", mode="dequant-cache")
     experts, _ = read_experts(draft.loaded, scheme_for(draft.loaded.checkpoint.config["quantization_config"]))
     layer = draft.loaded.moe_layers[0]
@@ -210,7 +210,7 @@ def _same_experts_loop(plain: str, draft_folder: str, dtype: torch.dtype) -> Non
             gate, up, down = experts[(layer, expert)]
             reference.gate_up_proj[expert] = torch.cat([gate.dequantize(), up.dequantize()])
             reference.down_proj[expert] = down.dequantize()
-    runner = DraftExperts(ExpertKernels(experts, "dequant-cache", dtype, torch.device("cpu")))
+    runner = DraftExperts(ExpertKernels(experts, "dequant-cache", dtype, torch.device("cpu")), grouped=grouped)
     gen = torch.Generator().manual_seed(3)
     k = draft.loaded.top_k
     for tokens in (1, 1, 2, 3, 9, 33):
@@ -221,15 +221,20 @@ def _same_experts_loop(plain: str, draft_folder: str, dtype: torch.dtype) -> Non
         with torch.no_grad():
             want = reference(hidden, index, weights)
             got = runner.forward(module, layer, hidden, index, weights)
+        if grouped:  # one batched weighted sum, not k rounded adds: equal to rounding
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            continue
         assert torch.equal(got, want), f"{tokens} tokens: max |diff| {float((got - want).abs().max())}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_loop_is_transformers_bit_for_bit(family, dtype, plain_dir, draft_dir) -> None:
-    """The draft's experts loop (one token: its k rows summed one add at a time; several: sorted by
-    expert once) adds in transformers' order, so it equals transformers' eager loop exactly."""
+    """The draft's per-expert loop (sorted by expert once) adds in transformers' order, so it equals
+    transformers' eager loop exactly; the grouped calls (the default) equal it to rounding."""
     _same_experts_loop(str(plain_dir(family)), str(draft_dir(family, "awq")), dtype)
+    _same_experts_loop(str(plain_dir(family)), str(draft_dir(family, "awq")), dtype, grouped=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -160,7 +160,7 @@ def test_a_per_expert_drafts_codes_are_standard_and_only_its_scale_is_extra(cali
 def test_a_stock_reader_computes_the_folded_draft_as_specter_does(trained_drafts, model, tmp_path) -> None:
     draft = trained_drafts[(model, "awq")]
     # the checkpoint's dtype, as a stock reader runs it (bit for bit; on a CPU Specter's default is fp32)
-    specter_draft = DraftModel.load(draft, device="cpu", mode="dequant-cache", dtype=torch.bfloat16)
+    specter_draft = DraftModel.load(draft, device="cpu", mode="dequant-cache", dtype=torch.bfloat16, grouped=False)
     stock = stock_model(draft, tmp_path / "stock", dtype=specter_draft.model.dtype)
     target = AutoModelForCausalLM.from_pretrained(str(ASSETS / model), experts_implementation="eager",
                                                   dtype=specter_draft.model.dtype).eval()

@@ -40,8 +40,9 @@ from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.runner import DraftModel
 from specter.engine import Engine
-from specter.eval.bench import BenchConfig, load_target, resident_step_s
+from specter.eval.bench import BenchConfig, load_target
 from specter.eval.prompts import load_prompts
+from specter.generation import resident_step_s
 from specter.target import OffloadedTarget
 from specter.timing.costs import resolve_timing
 from specter.timing.profiles import PROFILES

@@ -25,8 +25,9 @@ import torch
 from specter.assets import DEFAULT_MODEL
 from specter.draft.loading import load_draft
 from specter.engine import Engine
-from specter.eval.bench import BenchConfig, load_target, resident_step_s, window_of
+from specter.eval.bench import BenchConfig, load_target, window_of
 from specter.eval.prompts import load_prompts
+from specter.generation import resident_step_s
 from specter.plan import drafts, policy_class
 from specter.timing.costs import resolve_timing
 from specter.timing.profiles import PROFILES

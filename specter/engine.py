@@ -30,6 +30,7 @@ from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.costs import CostModel
+from specter.timing.dispatch import READS
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
@@ -106,7 +107,8 @@ class Engine:
         self._check_request(prompt_ids, max_new_tokens)
         self.active, self.committed = True, 0
         try:
-            return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
+            with self.clock.counting():  # the as-built clock charges the ops and reads the request issues
+                return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
         finally:
             self.active = False
 
@@ -134,6 +136,7 @@ class Engine:
         commits = [self.clock.now()]
         self.committed = 1
         after_prefill = self.target.offload.counters.snapshot()
+        dispatch_mark = (READS.count, getattr(self.clock, "dispatch_s", 0.0))
         costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
         trace = self.target.offload.start_trace() if costs is not None else None
         draft_mark = getattr(self.clock, "draft_charged", 0.0)
@@ -171,6 +174,10 @@ class Engine:
             trace.ahead_s = max(0.0, trace.draft_s - tally.fresh_draft_s) if self.pipelined else 0.0  # rounds that stood
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
+        # reads of device data the decode made (a sync each on a GPU), and the as-built clock's dispatch
+        stats.extra["host_reads"] = READS.count - dispatch_mark[0]
+        if self.clock.name == "as-built":
+            stats.extra["dispatch_s"] = getattr(self.clock, "dispatch_s", 0.0) - dispatch_mark[1]
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
             stats.extra["chooser_rounds"] = sum(chooser.samples.values())
         if self.pipelined:

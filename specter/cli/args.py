@@ -165,6 +165,8 @@ def _add_timing(command: argparse.ArgumentParser) -> None:
     command.add_argument("--clock", choices=CLOCKS, default="wall",
                          help="wall: real time (default); virtual: compute charged from the profile's GPU cost "
                               "model, link and host as discrete events, nothing sleeps (docs/benchmark.md); "
+                              "as-built: virtual, plus the host's dispatch of the ops and reads the engine "
+                              "really issues (an eager engine on that GPU, specter/timing/dispatch.py); "
                               "measured: virtual link and host, compute at its measured CPU time (it idles through its "
                               "waits, uncounted, so it takes about as long as the wall clock)")
     command.add_argument("--profile", type=_profile_name, default=None,
@@ -254,9 +256,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        help="wall and measured clocks: the CPU's all-resident step time (s) that link and host are "
                             "scaled to (default: measure it; on a busy machine the measurement is slow)")
     _add_threads(bench, "on the virtual clock 1 (its figures do not depend on threads)")
-    bench.add_argument("--clock", choices=("virtual", "wall", "measured"), default="virtual",
+    bench.add_argument("--clock", choices=("virtual", "as-built", "wall", "measured"), default="virtual",
                        help="virtual (default): compute charged from each profile's GPU cost model, nothing "
-                            "sleeps, the same ratios on any machine; wall: real time (the actors column); "
+                            "sleeps, the same ratios on any machine (the ideal engine); as-built: the same "
+                            "plus the dispatch of the ops and reads the engine issues; wall: real time (the actors column); "
                             "measured: virtual link and host, compute at its measured CPU time (it idles through its "
                             "waits, uncounted, so it takes about as long as the wall clock)")
     bench.add_argument("--rho", type=_positive, default=None,

@@ -40,7 +40,7 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
         parser.error("argument --rho: not available through the actors yet; use --link sim:GBPS")
     if link is not None and rho is not None:
         parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
-    if rho is not None and profile is None and clock != "virtual":
+    if rho is not None and profile is None and clock not in ("virtual", "as-built"):
         parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
     through_actors = getattr(args, "address", None) is not None
     if through_actors and isinstance(link, LinkConfig) and link.kind == "cuda":
@@ -94,7 +94,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.step_s > 0:
             parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
         config.step_s = args.step_s
-    if args.clock == "virtual" and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
+    if args.clock in ("virtual", "as-built") and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
     else:
         torch.set_num_threads(compute_threads(args.threads))

@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
-from specter.models.loader import build_dense
+from specter.generation import bytes_per_token, resident_step_s
 from specter.plan import POLICIES, adapts, drafts, policy_class
 from specter.target import OffloadedTarget
 from specter.timing.costs import Timing, resolve_timing
@@ -56,31 +54,12 @@ class BenchConfig:
     actors_policy: str = ACTORS_POLICY  # the policy of the actors' columns (its in-process column is the reference)
     actors_schedules: tuple[str, ...] = ("transfer",)  # one pair of actors' columns each (the first unsuffixed)
     step_s: float | None = None  # this machine's all-resident step time (wall, measured); None: measure it
-    clock: str = "virtual"  # wall | virtual | measured (specter/timing/clock.py)
+    clock: str = "virtual"  # wall | virtual | as-built | measured (specter/timing/clock.py)
     rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
     draft_mode: str | None = None  # the draft's expert mode; None: auto on the wall clock, else fixed
     scan_prompts: list[list[int]] = field(default_factory=list)  # the K scan's (None: the first two)
     scanned: dict[str, int] = field(default_factory=dict)  # base policy → K its scan found (filled by run)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-
-def resident_step_s(model: str, prompt: list[int], tokens: int = 24) -> tuple[float, int]:
-    """This machine's all-resident decode step time, and bytes one token's experts take if all miss."""
-    target = OffloadedTarget.load(model, SlotConfig(fraction=1.0), LinkConfig(bandwidth=1e15, latency=0.0))
-    try:
-        Engine(target).generate_fresh(prompt, 4)  # warm-up
-        _, stats = Engine(target).generate_fresh(prompt, tokens)
-        loaded = target.loaded
-        per_token = len(loaded.moe_layers) * loaded.top_k * loaded.shape.nbytes
-    finally:
-        target.close()
-    return stats.tpot_s, per_token
-
-
-def bytes_per_token(model: str) -> int:
-    """Bytes one token's experts take if all miss, at the CPU compute dtype (fp32)."""
-    loaded = build_dense(model, torch.float32)
-    return len(loaded.moe_layers) * loaded.top_k * loaded.shape.nbytes
 
 
 def budget_fraction(config: BenchConfig, profile: Profile) -> float:
@@ -105,7 +84,7 @@ def timings(config: BenchConfig) -> tuple[dict[str, Timing], float | None, int |
     """Each profile's clock, link and host; on the wall and measured clocks also this CPU's
     all-resident step and bytes per fully-missed token (measured once, shared by the profiles)."""
     step_s = per_token = None
-    if config.clock != "virtual":
+    if config.clock not in ("virtual", "as-built"):
         if config.step_s is None:
             step_s, per_token = resident_step_s(config.model, config.prompts[0])
         else:  # several runs sharing one measured step share one simulated link and host
@@ -309,7 +288,7 @@ def table(results: dict[str, Any]) -> str:
                      f"{budget}, link {block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
         lines.append(f"{'policy':<18}{'K':>3}{'K avg':>6}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
                      f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}"
-                     + (f"{'bound ms':>9}" if results.get("clock") == "virtual" else ""))
+                     + (f"{'bound ms':>9}" if results.get("clock") in ("virtual", "as-built") else ""))
         for policy, s in block["summary"].items():
             speedup = f"{s['speedup']:>8.2f}x" if s["speedup"] == s["speedup"] else f"{'-':>9}"  # NaN: no baseline
             lines.append(f"{policy:<18}{s['window']:>3}{s.get('mean_window', s['window']):>6.1f}{s['tpot_s'] * 1e3:>10.2f}{speedup}"

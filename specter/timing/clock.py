@@ -11,6 +11,13 @@ advances the clock to when the transfer lands or the host is done. How long comp
 
 * ``costs`` given (clock name ``virtual``): *charged* from a cost model
   (``specter.timing.costs.CostModel``): a GPU's proportions, the same on any machine and under any load;
+* ``costs`` and ``dispatch`` given (clock name ``as-built``): the same kernel times, and the
+  dispatch of the ops and reads the step actually issues (``specter.timing.dispatch``), counted as
+  it runs: the host issues each op in ``dispatch.op_s`` and the device runs the charged kernels
+  behind it, never before the host has issued them; a read of device data waits for the device to
+  drain and costs ``dispatch.read_s``. So a step whose kernels are short takes its dispatch, one
+  whose kernels are long its kernels — the engine as built on that GPU, where ``virtual`` is the
+  ideal engine (the cost model's fixed launches per layer and expert, no host work);
 * no ``costs`` (clock name ``measured``): the compute's measured duration on this CPU — the main
   thread's real time between two readings of the clock, less the link's bookkeeping — which is
   the wall clock with its waits charged by the event model (``docs/benchmark.md`` validates it
@@ -24,13 +31,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Protocol
+
+from specter.timing.dispatch import Dispatch, DispatchCount
 
 if TYPE_CHECKING:
     from specter.models.routing import Routing
 
-CLOCKS = ("wall", "virtual", "measured")
+CLOCKS = ("wall", "virtual", "as-built", "measured")
 SPIN_S = 5e-4  # the wall clock stops sleeping this long before a deadline and yields instead
 
 
@@ -82,6 +91,10 @@ class WallClock:
     def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
         """One draft forward over ``positions`` positions with ``routing`` per MoE layer."""
 
+    def counting(self) -> AbstractContextManager[object]:
+        """Around a request: where the clock charges dispatch, the ops and reads are counted in it."""
+        return nullcontext()
+
     def describe(self) -> str:
         return "wall"
 
@@ -97,26 +110,76 @@ class VirtualClock(WallClock):
 
     virtual = True
 
-    def __init__(self, costs: Costs | None = None, idle: bool = True):
+    def __init__(self, costs: Costs | None = None, idle: bool = True, dispatch: Dispatch | None = None):
+        if dispatch is not None and costs is None:
+            raise ValueError("dispatch: charged on the virtual clock only (give a cost model)")
         self.costs = costs
-        self.name = "virtual" if costs is not None else "measured"
+        self.dispatch = dispatch
+        self.name = "measured" if costs is None else "as-built" if dispatch is not None else "virtual"
         self.idle = idle and costs is None
-        self._t = 0.0
+        self._t = 0.0  # the device's timeline: when the work charged so far is done
+        self._host = 0.0  # the host's (as-built): when it has issued the ops counted so far
+        self._issued = 0.0  # the host's time at the previous flush: where the work charged since was issued
         self._mark = time.perf_counter()
+        self._counter: DispatchCount | None = None
+        self._counted = (0, 0)  # ops, reads already turned into time
         self.draft_charged = 0.0  # seconds charged to draft forwards so far (the bound's device part)
+        self.dispatch_s = 0.0  # host seconds of dispatch charged so far (ops and reads)
 
     def now(self) -> float:
         if self.costs is None:  # the compute since the last reading took what it took
             mark = time.perf_counter()
             self._t += mark - self._mark
             self._mark = mark
-        return self._t
+        self._flush()
+        return max(self._t, self._host)
+
+    def counting(self) -> AbstractContextManager[object]:
+        if self.dispatch is None:
+            return nullcontext()
+        return self._count()
+
+    @contextmanager
+    def _count(self) -> Iterator[None]:
+        self._flush()
+        counter = DispatchCount()
+        self._counter, self._counted = counter, (0, 0)
+        try:
+            with counter:
+                yield
+        finally:
+            self._flush()
+            self._counter = None
+
+    def _flush(self) -> None:
+        """Turn the ops and reads counted since the last flush into host time (``as-built``)."""
+        counter, dispatch = self._counter, self.dispatch
+        if counter is None or dispatch is None:
+            return
+        ops, reads = counter.ops - self._counted[0], counter.reads - self._counted[1]
+        if not (ops or reads):
+            return
+        self._counted = (counter.ops, counter.reads)
+        # each layer of the small model stands for ``layer_scale`` real ones, and so do its ops and reads
+        scale = getattr(self.costs, "layer_scale", 1.0)
+        op_s, read_s = ops * dispatch.op_s * scale, reads * dispatch.read_s * scale
+        self._issued = self._host
+        self._host += op_s
+        self.dispatch_s += op_s + read_s
+        if reads:  # the host waits for the device to drain, then for the copy back
+            self._host = self._t = max(self._t, self._host) + read_s
+            self._issued = self._host
+
+    def _device(self, cost: float) -> None:
+        """Device work of ``cost`` seconds, issued by the host since the last flush."""
+        self._flush()
+        self._t = max(self._t, self._issued) + cost
 
     def wait_until(self, deadline: float) -> float:
         now = self.now()
         if deadline <= now:
             return 0.0
-        self._t = deadline
+        self._t = self._host = deadline
         if self.idle:
             time.sleep(deadline - now)
             self._mark = time.perf_counter()  # the sleep is the wait already charged, not compute
@@ -131,37 +194,42 @@ class VirtualClock(WallClock):
             self._mark = time.perf_counter()
 
     def advance(self, seconds: float) -> None:
-        self._t += seconds
+        self._device(seconds)
 
     def charge_dense(self, positions: int, context: int) -> float:
         cost = self.costs.dense_s(positions, context) if self.costs is not None else 0.0
-        self._t += cost
+        self._device(cost)
         return cost
 
     def charge_expert(self, tokens: int) -> None:
         if self.costs is not None:
-            self._t += self.costs.expert_s(tokens)
+            self._device(self.costs.expert_s(tokens))
 
     def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
         if self.costs is not None:
             cost = self.costs.draft_s(routing, positions, context)
-            self._t += cost
+            self._device(cost)
             self.draft_charged += cost
 
     def describe(self) -> str:
+        if self.costs is not None and self.dispatch is not None:
+            return f"as-built ({self.costs.describe()}; {self.dispatch.describe()})"
         if self.costs is not None:
             return f"virtual ({self.costs.describe()})"
         return f"measured (virtual link and host{', idling through waits' if self.idle else ''})"
 
 
-def make_clock(name: str, costs: Costs | None = None, idle: bool = True) -> WallClock:
-    """``wall`` | ``virtual`` (needs ``costs``) | ``measured`` (``idle``: see ``VirtualClock``)."""
+def make_clock(name: str, costs: Costs | None = None, idle: bool = True, dispatch: Dispatch | None = None) -> WallClock:
+    """``wall`` | ``virtual`` (needs ``costs``) | ``as-built`` (``costs`` and ``dispatch``) |
+    ``measured`` (``idle``: see ``VirtualClock``)."""
     if name == "wall":
         return WallClock()
-    if name == "virtual":
+    if name in ("virtual", "as-built"):
         if costs is None:
-            raise ValueError("clock: 'virtual' charges compute from a cost model; give a profile")
-        return VirtualClock(costs)
+            raise ValueError(f"clock: {name!r} charges compute from a cost model; give a profile")
+        if name == "as-built" and dispatch is None:
+            raise ValueError("clock: 'as-built' charges dispatch; give its per-op and per-read costs")
+        return VirtualClock(costs, dispatch=dispatch if name == "as-built" else None)
     if name == "measured":
         return VirtualClock(None, idle=idle)
     raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {name!r}")

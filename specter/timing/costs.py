@@ -10,12 +10,15 @@ computations, so on the virtual clock ρ, η and the draft/target step ratio are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specter.config import HostConfig, LinkConfig
 from specter.timing.clock import WallClock, make_clock
-from specter.timing.profiles import Profile
+from specter.timing.dispatch import DEFAULT_DISPATCH, DISPATCH, Dispatch
+from specter.timing.profiles import LAUNCH_S, Profile
 
 if TYPE_CHECKING:
     from specter.models.routing import Routing
@@ -31,6 +34,8 @@ class CostModel:
         top_k: the small model's experts per token per layer.
         expert_nbytes: bytes of one small-model expert blob (what the virtual link moves).
         expert_flops: flops of one small-model expert on one token (what the host computes).
+        launches: charge the ideal engine's fixed launches per layer and expert (``virtual``); False
+            where the clock counts the dispatch the engine really issues (``as-built``).
     """
 
     profile: Profile
@@ -38,6 +43,7 @@ class CostModel:
     top_k: int
     expert_nbytes: int
     expert_flops: int
+    launches: bool = True
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.top_k < 1:
@@ -55,19 +61,23 @@ class CostModel:
 
     def dense_s(self, positions: int, context: int) -> float:
         """One MoE layer's dense part (charged as the layer starts)."""
-        return self.layer_scale * self.profile.dense_layer_s(positions, context)
+        return self.layer_scale * self.profile.dense_layer_s(positions, context, self._launch_s)
 
     def expert_s(self, tokens: int) -> float:
         """One routed target expert on ``tokens`` tokens from a device slot."""
-        return self.sigma * self.profile.expert_s(tokens)
+        return self.sigma * self.profile.expert_s(tokens, launch_s=self._launch_s)
+
+    @property
+    def _launch_s(self) -> float:
+        return LAUNCH_S if self.launches else 0.0
 
     def draft_s(self, routing: Routing, positions: int, context: int) -> float:
         """One draft forward: every layer's dense part, each distinct int4 expert on its tokens."""
         total = len(routing) * self.dense_s(positions, context)
-        for ids, _ in routing.values():
-            counts = ids.flatten().bincount()
+        for ids, _ in routing.values():  # host tensors (the draft read them): numpy, not a device read
+            counts = np.bincount(ids.numpy().ravel())
             for tokens in counts[counts > 0].tolist():
-                total += self.sigma * self.profile.expert_s(tokens, int4=True)
+                total += self.sigma * self.profile.expert_s(tokens, int4=True, launch_s=self._launch_s)
         return total
 
     @property
@@ -78,7 +88,8 @@ class CostModel:
     @property
     def draft_step_s(self) -> float:
         """A draft decode step (= ``profile.draft_step_s``)."""
-        return self.layers * (self.dense_s(1, 0) + self.top_k * self.sigma * self.profile.expert_s(1, int4=True))
+        int4 = self.profile.expert_s(1, int4=True, launch_s=self._launch_s)
+        return self.layers * (self.dense_s(1, 0) + self.top_k * self.sigma * int4)
 
     def link(self, rho: float | None = None) -> LinkConfig:
         """The virtual link: the profile's (one small expert moves in σ real transfers), or with
@@ -88,7 +99,7 @@ class CostModel:
         else:
             if not rho > 0:
                 raise ValueError(f"rho: must be > 0, got {rho}")
-            bandwidth = self.layers * self.top_k * self.expert_nbytes / (rho * self.step_s)
+            bandwidth = self.layers * self.top_k * self.expert_nbytes / (rho * self.ideal.step_s)
         return LinkConfig(kind="sim", bandwidth=bandwidth, latency=0.0)
 
     def host(self) -> HostConfig:
@@ -97,7 +108,12 @@ class CostModel:
 
     def rho(self, link: LinkConfig) -> float:
         """ρ of ``link`` for this model: a fully-missed token's transfers over the all-resident step."""
-        return self.layers * self.top_k * self.expert_nbytes / link.bandwidth / self.step_s
+        return self.layers * self.top_k * self.expert_nbytes / link.bandwidth / self.ideal.step_s
+
+    @property
+    def ideal(self) -> CostModel:
+        """This model with the ideal engine's launches: ρ is the same link's whatever the clock counts."""
+        return self if self.launches else replace(self, launches=True)
 
     def describe(self) -> str:
         p = self.profile
@@ -115,7 +131,7 @@ class Timing:
     """A run's clock, link and host, resolved from the command line's ``--clock/--profile/--link/--rho``.
 
     Attributes:
-        clock: ``wall`` | ``virtual`` | ``measured`` (``specter/timing/clock.py``).
+        clock: ``wall`` | ``virtual`` | ``as-built`` | ``measured`` (``specter/timing/clock.py``).
         link: the (simulated or virtual) link.
         host: the host's rate; None: the link's default host (a plain ``sim:`` link, no profile).
         costs: the cost model (the virtual clock only).
@@ -130,10 +146,11 @@ class Timing:
     profile: str | None = None
     rho: float | None = None
     idle: bool = True  # the measured clock sleeps through its waits (``VirtualClock``)
+    dispatch: Dispatch | None = None  # the as-built clock's per-op and per-read costs
 
     def make_clock(self) -> WallClock:
         """A fresh clock of this kind (one per target: each target's link lives on its own)."""
-        return make_clock(self.clock, self.costs, self.idle)
+        return make_clock(self.clock, self.costs, self.idle, self.dispatch)
 
     def describe(self) -> str:
         rho = f", rho {self.rho:.1f}" if self.rho is not None else ""
@@ -153,7 +170,7 @@ def model_costs(model: str, profile: Profile) -> CostModel:
 
 def resolve_timing(
     model: str, clock: str = "wall", profile: str | None = None, link: LinkConfig | None = None,
-    rho: float | None = None, step_s: float | None = None,
+    rho: float | None = None, step_s: float | None = None, dispatch: str = DEFAULT_DISPATCH,
 ) -> Timing:
     """What a run of ``model`` is timed by.
 
@@ -161,20 +178,24 @@ def resolve_timing(
     ``CostModel``); ``link`` replaces the profile's link; ``rho`` sets the link's bandwidth so
     that ρ = R for this model under the profile. On the wall and measured clocks a profile's link
     is scaled to this CPU's all-resident step (``step_s``, measured when None). Without a profile
-    the virtual clock takes the one whose real model is of the checkpoint's family.
+    the virtual clock takes the one whose real model is of the checkpoint's family. The
+    ``as-built`` clock is the virtual one charging the engine's counted dispatch at ``dispatch``'s
+    costs (``specter.timing.dispatch.DISPATCH``) instead of the ideal engine's fixed launches.
     """
     from specter.timing.clock import CLOCKS
     from specter.timing.profiles import PROFILES, default_profile
 
     if clock not in CLOCKS:
         raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch: unknown {dispatch!r}; known: {', '.join(DISPATCH)}")
     if profile is not None and profile not in PROFILES:
         raise ValueError(f"profile: unknown {profile!r}; known: {', '.join(PROFILES)}")
     if rho is not None and not (rho > 0 and rho < float("inf")):
         raise ValueError(f"rho: must be a positive number, got {rho}")
     if link is not None and rho is not None:
         raise ValueError("rho: sets the link's bandwidth, so give either --rho or a sim: --link, not both")
-    if clock == "virtual" and profile is None:
+    if clock in ("virtual", "as-built") and profile is None:
         from specter.models.checkpoint import read_config_dict, resolve_model_dir
 
         profile = default_profile(str(read_config_dict(resolve_model_dir(model)).get("model_type")))
@@ -183,11 +204,14 @@ def resolve_timing(
             raise ValueError("rho: needs a profile (--profile NAME) to say what a decode step costs")
         return Timing(clock, link or LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6))
     real = PROFILES[profile]
-    if clock == "virtual":
+    if clock in ("virtual", "as-built"):
         costs = model_costs(model, real)
         chosen = link or costs.link(rho)
-        return Timing(clock, chosen, costs.host(), costs, profile, costs.rho(chosen))
-    from specter.eval.bench import bytes_per_token, resident_step_s
+        if clock == "virtual":
+            return Timing(clock, chosen, costs.host(), costs, profile, costs.rho(chosen))
+        built = replace(costs, launches=False)  # the launches are counted, not assumed
+        return Timing(clock, chosen, costs.host(), built, profile, costs.rho(chosen), dispatch=DISPATCH[dispatch])
+    from specter.generation import bytes_per_token, resident_step_s
 
     if step_s is None:
         step_s, per_token = resident_step_s(model, [0, 1, 2, 3])

@@ -17,6 +17,7 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,43 @@ _FREE = {
 }
 # Ops whose result (shape or value) the host needs from the device: each is a sync on a GPU.
 _SYNCING = {"nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select"}
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What the host spends per op and per read on a GPU, as the engine issues them.
+
+    Attributes:
+        name: the calibration's name.
+        op_s: host seconds per op reaching a kernel (the launch and the eager Python around it).
+        read_s: seconds per read of device data (the sync and the copy back), after the device drained.
+        source: where the figures come from.
+    """
+
+    name: str
+    op_s: float
+    read_s: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.op_s >= 0 and self.read_s >= 0):
+            raise ValueError(f"dispatch {self.name}: op_s and read_s must be >= 0, got {self.op_s}, {self.read_s}")
+
+    def describe(self) -> str:
+        return f"dispatch {self.name}: {self.op_s * 1e6:.1f} us/op, {self.read_s * 1e6:.1f} us/read"
+
+
+# Calibrations (docs/benchmark.md, "The as-built clock"): fitted to the lent H200's end-to-end figures
+# of the engine at commit d141f91 (shared NOTES, "First run on a GPU") with the ops and reads that
+# code issues, counted on this CPU (scripts/validate_dispatch.py).
+DISPATCH: dict[str, Dispatch] = {
+    d.name: d
+    for d in (
+        Dispatch("h200-eager", op_s=20e-6, read_s=30e-6,
+                 source="H200 runs of d141f91 (2026-12-04), eager PyTorch 2.11, fitted by scripts/validate_dispatch.py"),
+    )
+}
+DEFAULT_DISPATCH = "h200-eager"
 
 
 class _Reads:

@@ -114,19 +114,21 @@ class Profile:
         experts, embeddings and head, norms, routers)."""
         return self.active_bytes - self.experts_per_token * self.expert_bytes
 
-    def dense_layer_s(self, positions: int, context: int) -> float:
+    def dense_layer_s(self, positions: int, context: int, launch_s: float = LAUNCH_S) -> float:
         """One layer's dense part over ``positions`` positions after ``context`` cached ones: its
-        weights and KV cache over HBM (or its flops, for a long prefill), plus its launches."""
+        weights and KV cache over HBM (or its flops, for a long prefill), plus its launches (the
+        ideal engine's fixed count at ``launch_s`` each; 0 where dispatch is counted instead)."""
         hbm = self.hbm_bytes_per_s * self.efficiency
         read = (self.dense_bytes + (context + positions) * self.kv_bytes) / self.layers / hbm
         flops = 2 * self.dense_bytes / self.bytes_per_param / self.layers * positions
-        return max(read, flops / (self.gpu_flops * FLOPS_EFFICIENCY)) + DENSE_KERNELS * LAUNCH_S
+        return max(read, flops / (self.gpu_flops * FLOPS_EFFICIENCY)) + DENSE_KERNELS * launch_s
 
-    def expert_s(self, tokens: int, int4: bool = False) -> float:
-        """One routed expert on ``tokens`` tokens from device memory (``int4``: the draft's W4A16)."""
+    def expert_s(self, tokens: int, int4: bool = False, launch_s: float = LAUNCH_S) -> float:
+        """One routed expert on ``tokens`` tokens from device memory (``int4``: the draft's W4A16),
+        plus its launches as in ``dense_layer_s``."""
         read = self.expert_bytes / (self.hbm_bytes_per_s * self.efficiency) * (W4_TIME_RATIO if int4 else 1.0)
         flops = self.expert_flops * tokens / (self.gpu_flops * FLOPS_EFFICIENCY)
-        return max(read, flops) + EXPERT_KERNELS * LAUNCH_S
+        return max(read, flops) + EXPERT_KERNELS * launch_s
 
     @property
     def rho(self) -> float:
@@ -197,6 +199,13 @@ _MIXTRAL_KV = 32 * 8 * 128 * 2 * 2
 _DSV2L_KV = 27 * (512 + 64) * 2
 _QWEN_KV = 24 * 16 * 128 * 2 * 2
 A100_FLOPS = 312 * TFLOPS  # dense bf16 tensor peak (NVIDIA A100 data sheet)
+H200_FLOPS = 989 * TFLOPS  # dense bf16 tensor peak (NVIDIA H200 data sheet)
+H200_HBM = 4.8e12  # bytes/s (NVIDIA H200 data sheet)
+H200_PINNED = 55 * GB  # pinned host→device, measured on the lent H200 (2026-12-04, PCIe 5.0)
+# The lent H200's host (16 cores): one fp32 expert took 0.21 ms at Qwen1.5-MoE's shape and 5.3 ms at
+# Mixtral's (scripts/gpu_check.py, 2026-12-04); as bf16 bytes over the time less the 50 us latency.
+H200_HOST = Host("the lent H200 machine's 16 cores", 0.5 * (_QWEN_EXPERT / 0.16e-3 + _MIXTRAL_EXPERT / 5.25e-3),
+                 0.3 * 2.0 * TFLOPS)
 H100_PCIE_FLOPS = 756 * TFLOPS  # dense bf16 tensor peak (NVIDIA H100 PCIe data sheet)
 
 # Budgets. DeepSeek-V2-Lite and Qwen1.5-MoE: the published evaluation's main ("high") cases on
@@ -219,6 +228,14 @@ PROFILES: dict[str, Profile] = {
         Profile("qwen2moe-pcie4", "Qwen1.5-MoE-A2.7B bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
                 25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12, 15 / 60,
                 24, _QWEN_KV, A100_FLOPS, "qwen2_moe"),
+        # The lent H200 (docs/benchmark.md's validation of the as-built clock): its measured link, a
+        # 25 % budget as the end-to-end runs there used.
+        Profile("qwen2moe-h200", "Qwen1.5-MoE-A2.7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
+                H200_PINNED, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, H200_HBM, 0.25,
+                24, _QWEN_KV, H200_FLOPS, "qwen2_moe", H200_HOST),
+        Profile("mixtral-h200", "Mixtral-8x7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
+                H200_PINNED, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, H200_HBM, 0.25,
+                32, _MIXTRAL_KV, H200_FLOPS, "mixtral", H200_HOST),
     )
 }
 

@@ -61,11 +61,19 @@ class DraftExperts:
         hidden: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every token's k experts with the draft's quantized weights, weighted and summed."""
+        """Every token's k experts with the draft's quantized weights, weighted and summed (plus
+        ``residual`` when given)."""
         stacked = self.kernels.stacked.get(layer) if self.grouped else None
         if stacked is not None:
-            return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn)
+            return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn, residual)
+        final = self._loop(module, layer, hidden, top_k_index, top_k_weights)
+        return final if residual is None else residual + final
+
+    def _loop(
+        self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         flat = top_k_index.T.flatten()  # (top-k position, token) order
         order = torch.argsort(flat, stable=True)

@@ -114,11 +114,11 @@ class OffloadedExperts:
     # -- one MoE layer --------------------------------------------------------------------
     def forward(
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        top_k_weights: torch.Tensor, residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """transformers' eager experts loop's result, with experts taken from slots in grouped calls
         (``specter/experts/grouped.py``) or, for late ones when the policy allows it, computed on
-        the host from their blobs."""
+        the host from their blobs; plus ``residual`` when given (the lean step's)."""
         routes = LayerRoutes(top_k_index)  # the layer's one read of device data
         needed = routes.needed
         self.last_needed[layer] = needed
@@ -155,7 +155,7 @@ class OffloadedExperts:
             self._issue(queue, pending, protect)
         if on_host:
             self._finish_host(on_host)
-        return outputs.total()
+        return outputs.total(residual)
 
     def start_trace(self) -> Trace:
         """Record from now on what the bound needs (``specter/bound.py``): the residency now, the

@@ -107,16 +107,16 @@ class PairOutputs:
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         self.out.index_copy_(0, rows, F.linear(self.act_fn(gate) * up, down))
 
-    def total(self) -> torch.Tensor:
-        """The layer's output: every token's pair outputs times their weights, summed over top-k."""
+    def total(self, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output: every token's pair outputs times their weights, summed over top-k (plus
+        ``residual``, in the same batched matmul, when given)."""
         routes = self.routes
-        pairs = self.out.view(routes.tokens, routes.k, -1)
-        return torch.bmm(self.weights.unsqueeze(1).to(pairs.dtype), pairs).squeeze(1)
+        return weighted_sum(self.out.view(routes.tokens, routes.k, -1), self.weights, residual)
 
 
 def resident_experts(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
+    down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A MoE layer whose experts are all resident, stacked (the draft's): no read of device data.
 
@@ -128,6 +128,7 @@ def resident_experts(
         hidden: ``(T, H)``; top_k_index, top_k_weights: ``(T, k)``.
         gate_up: ``(E, 2I, H)``; down: ``(E, H, I)``: every expert's weights.
         act_fn: the experts' activation.
+        residual: added to the output in the weighted sum's op, when given.
     """
     tokens, k = top_k_index.shape
     experts = gate_up.shape[0]
@@ -140,8 +141,15 @@ def resident_experts(
     gate, up = grouped_linear(x, gate_up, ends).chunk(2, dim=-1)
     y = grouped_linear(act_fn(gate) * up, down, ends)
     pairs = hidden.new_empty(tokens * k, hidden.shape[-1]).index_put_((order,), y)
-    weights = top_k_weights.unsqueeze(1).to(pairs.dtype)
-    return torch.bmm(weights, pairs.view(tokens, k, -1)).squeeze(1)
+    return weighted_sum(pairs.view(tokens, k, -1), top_k_weights, residual)
+
+
+def weighted_sum(pairs: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``(T, k, H)`` pair outputs times ``(T, k)`` weights summed over k, plus ``residual`` (one op)."""
+    row = weights.unsqueeze(1).to(pairs.dtype)
+    if residual is None:
+        return torch.bmm(row, pairs).squeeze(1)
+    return torch.baddbmm(residual.unsqueeze(1), row, pairs).squeeze(1)
 
 
 def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:

@@ -123,8 +123,8 @@ class LeanStep:
                 hidden = hidden + self._attention(layer.self_attn, x, cos, sin, mask, cache)
                 hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
             else:
-                hidden = hidden + self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache)
-                hidden = hidden + self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
+                hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden)
+                hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
         return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
 
     @staticmethod
@@ -227,8 +227,9 @@ class _Fused:
 
     def attention(
         self, attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-        cache: DynamicCache,
+        cache: DynamicCache, residual: torch.Tensor,
     ) -> torch.Tensor:
+        """``residual`` plus the attention block's output (the sum in the output projection's matmul)."""
         tokens = x.shape[1]
         weight, bias = self.qkv
         assert weight is not None
@@ -242,25 +243,42 @@ class _Fused:
         k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
         out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
                                         scaling=attention.scaling)
-        return F.linear(out.reshape(1, tokens, -1), attention.o_proj.weight, attention.o_proj.bias)
+        out = out.reshape(tokens, -1)
+        if attention.o_proj.bias is not None:
+            return residual + F.linear(out, attention.o_proj.weight, attention.o_proj.bias).view(residual.shape)
+        return torch.addmm(residual.view(tokens, -1), out, attention.o_proj.weight.t()).view(residual.shape)
 
-    def mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        """The MoE block; the router's choice is kept in ``routing`` (ids and their probabilities)."""
+    def mlp(self, mlp: Any, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus the MoE block's output (added in the experts' weighted sum); the router's
+        choice is kept in ``routing`` (ids and their probabilities)."""
         if not self.routed:  # a dense layer (qwen2_moe's mlp_only_layers)
-            return mlp(x)  # type: ignore[no-any-return]
+            return residual + mlp(x)  # type: ignore[no-any-return]
         if self.projection is None:  # projections with biases: unfused
-            return LeanStep._mlp(mlp, x)
+            return residual + LeanStep._mlp(mlp, x)
         flat = x.view(x.shape[1], -1)
         projected = F.linear(flat, self.projection)
         logits = projected[:, : self.experts]
         probs, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
         self.routing = (ids, probs)
         weights = probs / probs.sum(dim=-1, keepdim=True) if self.normalize else probs
-        out = mlp.experts(flat, ids, weights if self.float_weights else weights.to(logits.dtype))
+        weights = weights if self.float_weights else weights.to(logits.dtype)
+        out = _experts_with_residual(mlp.experts, flat, ids, weights, residual.view(flat.shape))
         if projected.shape[1] == self.experts:
-            return out.view(x.shape)  # type: ignore[no-any-return]
+            return out.view(x.shape)
         shared, start = mlp.shared_expert, self.experts
         gate, up = projected[:, start : start + self.inter], projected[:, start + self.inter : start + 2 * self.inter]
         shared_out = F.linear(shared.act_fn(gate) * up, shared.down_proj.weight)
         score = projected[:, start + 2 * self.inter :]
-        return (out + torch.sigmoid(score) * shared_out).view(x.shape)  # type: ignore[no-any-return]
+        return torch.addcmul(out, torch.sigmoid(score), shared_out).view(x.shape)
+
+
+def _experts_with_residual(
+    experts: Any, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
+) -> torch.Tensor:
+    """``residual`` plus the routed experts' output: summed in the experts' own weighted sum where
+    Specter runs them (its runners take a residual), else added after."""
+    runner = experts.__dict__.get("_specter_runner")
+    if runner is None:
+        return residual + experts(flat, ids, weights)  # type: ignore[no-any-return]
+    return runner.forward(experts, experts.__dict__["_specter_layer"], flat, ids, weights,  # type: ignore[no-any-return]
+                          residual=residual)

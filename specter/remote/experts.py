@@ -95,7 +95,7 @@ class ScheduledExperts(OffloadedExperts):
     # -- one MoE layer --------------------------------------------------------------------------
     def forward(
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        top_k_weights: torch.Tensor, residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``OffloadedExperts.forward``, with the transfer actor placing the experts."""
         routes = LayerRoutes(top_k_index)  # the layer's one read of device data
@@ -141,7 +141,7 @@ class ScheduledExperts(OffloadedExperts):
             self._run_slots(outputs, layer, {key[1]: slot}, routes)
         if on_host:
             self._finish_host([(layer, e) for e in on_host])
-        return outputs.total()
+        return outputs.total(residual)
 
     def _pin_if_landed(self, key: Key) -> tuple[int, int] | None:
         """(slot, seq) of the copy of ``key``, its slot pinned, if it has landed; else None."""

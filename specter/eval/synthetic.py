@@ -58,7 +58,7 @@ def synthetic_config(shape: str, layers: int, vocab: int = 4096, shrink: int = 1
             fields[name] //= shrink
     if fields["hidden_size"] % heads:
         raise ValueError(f"shrink: hidden size {fields['hidden_size']} must stay a multiple of {heads} heads")
-    extra = {"mlp_only_layers": []} if model_type == "qwen2_moe" else {}
+    extra: dict[str, Any] = {"mlp_only_layers": []} if model_type == "qwen2_moe" else {}
     return AutoConfig.for_model(model_type, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=False,
                                 max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
                                 pad_token_id=None, **extra, **fields)

@@ -1,0 +1,193 @@
+"""Dispatch counted (ops reaching a kernel, reads of device data) and charged by the as-built clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+from specter.config import LinkConfig, SlotConfig
+from specter.draft.loading import load_draft
+from specter.draft.quantize.model import quantize_model
+from specter.engine import Engine
+from specter.target import OffloadedTarget
+from specter.timing.clock import VirtualClock, make_clock
+from specter.timing.costs import resolve_timing
+from specter.timing.dispatch import READS, Dispatch, DispatchCount, host_read
+
+FAST = LinkConfig(kind="sim", bandwidth=1e12, latency=0.0)
+PROMPT = list(range(3, 11))
+
+
+def test_views_and_allocations_are_not_ops_and_every_read_is_counted():
+    x = torch.randn(4, 8)
+    before = READS.count
+    with DispatchCount() as counted:
+        y = x.view(8, 4).t()[1:]  # views
+        torch.empty(3)  # an allocation, no kernel
+        z = y + 1  # one op
+        z.sum().item()  # one op (sum), one read
+        x.tolist()  # a read that bypasses host_read still shows
+        host_read(z[0])
+    assert counted.ops == 2 and counted.by_name == {"add": 1, "sum": 1}
+    assert counted.reads == 3
+    assert READS.count - before == 1  # host_read's own tally: the engine's per-request figure
+
+
+def test_implicit_syncs_are_counted():
+    with DispatchCount() as counted:
+        torch.arange(6).nonzero()
+        torch.tensor([1, 1, 2]).unique()
+    assert counted.syncs == 2
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> tuple[Path, Path]:
+    """A Qwen2-MoE of 4 MoE layers x 32 experts, top-4, with a shared expert (used to tune nothing),
+    and an int8 draft of it (it agrees with the target: a round's count is that of rounds that stand)."""
+    folder = tmp_path_factory.mktemp("held-out")
+    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+                            max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
+    model.save_pretrained(folder / "model")
+    quantize_model(str(folder / "model"), str(folder / "draft"), method="int8", progress=False)
+    return folder / "model", folder / "draft"
+
+
+def _per_token(engine: Engine, layers: int, tokens: int = 16) -> tuple[float, float]:
+    """Ops and reads per MoE layer per committed token: a run of tokens + 1 less a run of 1."""
+    counts = []
+    for new in (1, tokens + 1):
+        engine.target.offload.reset_residency()
+        with DispatchCount() as counted:
+            ids, _ = engine.generate(PROMPT, new)
+        counts.append((counted.ops, counted.reads, len(ids)))
+    (ops1, reads1, n1), (ops2, reads2, n2) = counts
+    per = (n2 - n1) * layers
+    return (ops2 - ops1) / per, (reads2 - reads1) / per
+
+
+@pytest.mark.parametrize(("budget", "max_ops"), [(1.0, 45), (0.25, 46)])
+def test_plain_decoding_dispatches_a_few_dozen_ops_and_one_read_per_layer(held_out, budget, max_ops):
+    """Counted through the public API: at commit d141f91 plain decoding took 93 ops and 2.25 reads per MoE
+    layer per token here; the grouped layer and the fused step take at most ``max_ops`` and one read of
+    the routing per layer plus the token's."""
+    target = OffloadedTarget.load(held_out[0], SlotConfig(fraction=budget), FAST, "demand-lru", device="cpu")
+    try:
+        ops, reads = _per_token(Engine(target), layers=4)
+    finally:
+        target.close()
+    assert ops <= max_ops
+    assert reads == pytest.approx(1.25)
+
+
+def test_a_speculative_round_dispatches_under_sixty_ops_per_committed_token(held_out):
+    """Draft and verify together, K 8, rounds that stand: at d141f91 ~445 ops and 14.5 reads per MoE layer
+    per committed token here; the draft's step now reads its routing once and its experts not at all."""
+    draft = load_draft(held_out[1], device="cpu", mode="dequant-cache")
+    target = OffloadedTarget.load(held_out[0], SlotConfig(fraction=0.25), FAST, "specter+fixed+nopipe", device="cpu")
+    try:
+        ops, reads = _per_token(Engine(target, draft, window=8), layers=4, tokens=18)
+    finally:
+        target.close()
+    assert ops <= 60
+    assert reads <= 1.5
+
+
+class _Costs:
+    """A cost model of fixed charges (the clock's ``Costs`` protocol), one small layer per real one."""
+
+    layer_scale = 1.0
+
+    def __init__(self, dense: float = 0.0, expert: float = 0.0):
+        self.dense, self.expert = dense, expert
+
+    def dense_s(self, positions: int, context: int) -> float:
+        return self.dense
+
+    def expert_s(self, tokens: int) -> float:
+        return self.expert
+
+    def draft_s(self, routing, positions: int, context: int) -> float:
+        return 0.0
+
+    def describe(self) -> str:
+        return "fixed"
+
+
+_X = torch.zeros(2)
+
+
+def _ops(n: int) -> None:
+    """``n`` ops that reach a kernel."""
+    for _ in range(n):
+        _X.add(1)
+
+
+def test_a_dispatch_bound_step_takes_its_dispatch():
+    """Short kernels: the device waits for the host, which issues each op in op_s (each kernel runs
+    while the host issues the next ones)."""
+    clock = VirtualClock(_Costs(expert=1e-6), dispatch=Dispatch("t", op_s=10e-6, read_s=0.0))
+    with clock.counting():
+        for _ in range(5):
+            _ops(4)
+            clock.charge_expert(1)
+    assert clock.now() == pytest.approx(5 * 4 * 10e-6)
+
+
+def test_a_compute_bound_step_takes_its_kernels_and_a_read_drains_the_device():
+    """Long kernels: the host runs ahead and the device's time is the step's; a read of device data
+    waits for the device to drain, then costs read_s."""
+    clock = VirtualClock(_Costs(dense=1e-3), dispatch=Dispatch("t", op_s=10e-6, read_s=20e-6))
+    with clock.counting():
+        for _ in range(3):
+            _ops(2)
+            clock.charge_dense(1, 0)
+        assert clock.now() == pytest.approx(3e-3)  # the host's 60 us hide under the kernels
+        host_read(torch.zeros(1))
+        assert clock.now() == pytest.approx(3e-3 + 20e-6)
+    assert clock.dispatch_s == pytest.approx(7 * 10e-6 + 20e-6)  # torch.zeros(1) is an op too
+
+
+def test_without_counting_or_dispatch_the_virtual_clock_is_the_ideal_one():
+    ideal = VirtualClock(_Costs(expert=1e-6))
+    with ideal.counting():
+        _ops(10)
+        ideal.charge_expert(1)
+    assert ideal.now() == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="dispatch"):
+        make_clock("as-built", _Costs())
+    with pytest.raises(ValueError, match="cost model"):
+        VirtualClock(None, dispatch=Dispatch("t", 1e-6, 1e-6))
+    with pytest.raises(ValueError, match="op_s"):
+        Dispatch("t", -1.0, 0.0)
+
+
+def test_the_as_built_clock_charges_a_requests_dispatch(held_out):
+    """The same request on both clocks: the same tokens; as built it is slower by about its dispatch and
+    reports it, with the reads it made."""
+    runs = {}
+    for clock in ("virtual", "as-built"):
+        timing = resolve_timing(str(held_out[0]), clock, "qwen2moe-h200")
+        target = OffloadedTarget.load(held_out[0], SlotConfig(fraction=0.25), timing.link, "demand-lru",
+                                      clock=timing.make_clock())
+        try:
+            runs[clock] = Engine(target).generate_fresh(PROMPT, 12)
+        finally:
+            target.close()
+    (ideal_ids, ideal), (built_ids, built) = runs["virtual"], runs["as-built"]
+    assert ideal_ids == built_ids
+    assert built.extra["dispatch_s"] > 0 and built.extra["host_reads"] >= 11 * 4
+    assert "dispatch_s" not in ideal.extra
+    assert built.tpot_s > ideal.tpot_s
+    with pytest.raises(ValueError, match="dispatch"):
+        resolve_timing(str(held_out[0]), "as-built", "qwen2moe-h200", dispatch="nope")

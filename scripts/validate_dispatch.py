@@ -142,6 +142,7 @@ def _one(model: Path, draft: Any, profile: Any, policy: str, budget: float, wind
     clock = VirtualClock(costs, dispatch=dispatch)
     target = OffloadedTarget.load(model, SlotConfig(fraction=budget), replace(costs, launches=True).link(), policy,
                                   clock=clock)
+    target.offload.set_host(None)  # as on the H200: no host compute on CUDA
     try:
         engine = Engine(target, draft if window else None, window=window)
         with DispatchCount() as counted, clock.counting():
@@ -217,15 +218,15 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=argparse.SUPPRESS)
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=argparse.SUPPRESS)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
     parser.add_argument("--dispatch", default="ideal", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workloads, settings = list(WORKLOADS), list(SETTINGS)
+    workloads, settings = args.workloads.split(","), args.settings.split(",")
     read = args.read_us
     result: dict[str, Any] = {"commit": args.commit, "read_us": read}
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,6 +236,7 @@ def main() -> int:
         if op is None:
             low, high = 5.0, 30.0
             probe = run_child(old, work, workloads, ["resident"], [f"{low},{read}", f"{high},{read}"], args)
+            probe = [r for r in probe if r["setting"] == "resident"]
             op = fit_op_s(probe, low * 1e-6, high * 1e-6) * 1e6
             result["probe"] = probe
         result["op_us"] = op

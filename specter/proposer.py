@@ -20,6 +20,7 @@ from specter.models.routing import Routing
 from specter.protocol import PlanDelta
 from specter.target import crop_cache
 from specter.timing.clock import WallClock
+from specter.timing.dispatch import host_read
 from specter.verify.sampling import coupled_draw, probabilities
 
 OnPlan = Callable[[PlanDelta], None]
@@ -147,7 +148,7 @@ class LocalProposer:
         """The draft token from a step's logits (greedy, or drawn from the draft's generator with
         its distribution appended to ``qs``)."""
         if self.sampling.greedy:
-            return int(torch.argmax(logits))
+            return int(host_read(torch.argmax(logits)))
         q = probabilities(logits, self.sampling)
         qs.append(q.cpu())
         return int(torch.multinomial(q.cpu(), 1, generator=self.gen))
@@ -174,7 +175,7 @@ class LocalProposer:
             self.rollback(self.cached - 1)
             position = self.cached + 1
         if self.sampling.greedy:
-            bonus = int(torch.argmax(logits))
+            bonus = int(host_read(torch.argmax(logits)))
         else:  # the target's token after a fully accepted round is drawn with the same noise
             bonus = coupled_draw(probabilities(logits, self.sampling), self.sampling.seed, position)
         return bonus, [bonus] if routed_last else [drafts[-1], bonus]

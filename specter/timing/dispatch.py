@@ -81,8 +81,9 @@ READS = _Reads()
 _ACTIVE: list[DispatchCount] = []
 
 
-def host_read(tensor: torch.Tensor) -> list[Any]:
-    """``tensor``'s values in Python (``tolist``): one counted read of device data (a sync on a GPU)."""
+def host_read(tensor: torch.Tensor) -> Any:
+    """``tensor``'s values in Python (``tolist``: a list, or a number for a 0-d tensor): one counted read of
+    device data (a sync on a GPU)."""
     READS.count += 1
     return tensor.tolist()
 

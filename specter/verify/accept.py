@@ -12,13 +12,15 @@ from collections.abc import Callable
 
 import torch
 
+from specter.timing.dispatch import host_read
+
 
 def accept_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:
     """``target_logits`` (K+1, V) at positions before each draft token and after the last.
 
     Returns (number of draft tokens accepted, the next token the target chooses).
     """
-    choices = torch.argmax(target_logits, dim=-1).tolist()
+    choices = host_read(torch.argmax(target_logits, dim=-1))  # the pass's one read of its tokens
     n = 0
     while n < len(draft_tokens) and choices[n] == draft_tokens[n]:
         n += 1

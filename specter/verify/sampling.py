@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from specter.config import SamplingConfig
+from specter.timing.dispatch import host_read
 
 
 def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -31,7 +32,7 @@ def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tenso
 def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """The next token from one row of logits: argmax when greedy, else a sample."""
     if sampling.greedy:
-        return int(torch.argmax(logits, dim=-1))
+        return int(host_read(torch.argmax(logits, dim=-1)))
     probs = probabilities(logits, sampling)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU bench (issue 34), prepared to run once on a lent device machine (docs/gpu.md):
+#
+#   bash scripts/gpu_wheels.sh       # here, with a network: the wheels the device machine lacks
+#   run: bash scripts/gpu_bench.sh   # there, carrying wheels/: figures under $OUT
+#
+# Synthetic models at Qwen1.5-MoE and Mixtral-8x7B expert shapes are built on the device (nothing
+# large travels), an RTN draft of each, then every setting interleaved, three repeats, medians
+# (scripts/gpu_bench.py). The carried wheels go into a folder on PYTHONPATH, as gpu_check.sh's do.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-bench}
+SITE=${SPECTER_WHEELS_SITE:-/tmp/specter-wheels}
+if compgen -G "wheels/*.whl" >/dev/null; then
+  python3 -m pip install --quiet --no-deps --no-index --target "$SITE" wheels/*.whl \
+    || echo "gpu_bench: could not install the carried wheels" >&2
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+timeout "${GPU_BENCH_TIMEOUT_S:-360}" python3 scripts/gpu_bench.py --out "$OUT" "$@"
+status=$?
+[ "$status" -eq 124 ] && echo "gpu_bench: stopped at ${GPU_BENCH_TIMEOUT_S:-360} s (figures so far in $OUT)" >&2
+exit "$status"

@@ -1,0 +1,48 @@
+"""The prepared GPU bench's CPU smoke: the same script at shrunk shapes, every setting, lossless."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_transformers(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())
+    markdown = (tmp_path / "gpu_bench.md").read_text()
+    for shape in ("qwen1.5-moe", "mixtral-8x7b"):
+        block = results["shapes"][shape]
+        assert "error" not in block, block.get("trace")
+        names = {f"{p}@{b}" for b in ("0.25", "0.5") for p in ("demand-lru", "specter-paper", "specter")}
+        assert set(block["summary"]) == names | {"transformers@1", "engine@1"}
+        reference = block["runs"]["transformers@1"][0]["tokens"]
+        for name, runs in block["runs"].items():
+            assert runs[0]["tokens"] == reference, name  # fp32 on a CPU: token-identical
+            assert block["summary"][name]["tpot_ms"] > 0
+        for name in names:
+            assert block["summary"][name]["vs_demand_lru"] > 0
+            if not name.startswith("demand-lru"):
+                assert block["summary"][name]["window"] > 0  # acceptance is reported beside the figure
+        assert f"## {shape}" in markdown
+
+
+def test_the_gpu_bench_refuses_to_run_without_a_device_unless_smoke(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a device is here: the bench would run")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--smoke" in done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--shapes", "gpt",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown gpt" in done.stderr

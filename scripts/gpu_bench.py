@@ -107,7 +107,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     gen = torch.Generator().manual_seed(0)
     runner = Runner(folder, device, dtype, cuda)
     try:
-        for repeat in range(repeats):
+        for _ in range(repeats):
             prompt = torch.randint(0, 4096, (16,), generator=gen).tolist()
             for policy, budget in settings:  # interleaved: each setting once per repeat
                 runs[f"{policy}@{budget:g}"].append(runner.run(policy, budget, prompt, new_tokens))

@@ -22,7 +22,7 @@ next predicted use is furthest away.
   that routes the K-th token's position.
 * Pipelined drafting: while a verify pass waits for the link or the host, the draft drafts the next
   round as if this one were all accepted (``specter.proposer.IdleProposer``; through the actors the
-  draft actor does it). On by default since session 15, when the K chooser and the bound account
+  draft actor does it). On by default since commit ca79b58 (2026-12-04), when the K chooser and the bound account
   for it; ``specter+nopipe`` drafts each round after the one before is judged.
 * Host compute: an expert the link would bring later than the host could compute it is computed
   on the host (its queued prefetch cancelled), and not cached: ``+fetch`` fetches it for later
@@ -30,7 +30,7 @@ next predicted use is furthest away.
   later still), ``+cachearm`` makes that a plain-step arm the window chooser measures like any K
   (``window.PLAIN_CACHED``). ``docs/benchmark.md`` measures them: caching pays at large budgets and
   costs at small ones, and measured per run the two plain arms' costs move more with the text than
-  with the arm (session 13), so none is the default yet.
+  with the arm (measured 2026-12-03), so none is the default yet.
 """
 
 from __future__ import annotations

@@ -138,7 +138,10 @@ def test_simulated_host_keeps_the_profiles_host_to_link_ratio(name):
     for tokens in (1, 4, 40):
         ratio = host.expert_s(expert_bytes, expert_flops, tokens) / (expert_bytes / link_bw)
         assert ratio == pytest.approx(profile.host_expert_s(tokens) / profile.link_expert_s)
-    assert 0.2 < profile.eta < 0.4  # a server CPU reads an expert 3-5x faster than PCIe moves it
+    if profile.host.name.startswith("the lent"):  # measured: 16 cores take 0.21 ms where PCIe 5 takes 0.32
+        assert 0.5 < profile.eta < 0.9
+    else:
+        assert 0.2 < profile.eta < 0.4  # a server CPU reads an expert 3-5x faster than PCIe moves it
 
 
 @pytest.mark.parametrize("caching", [False, True])

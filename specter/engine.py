@@ -30,7 +30,7 @@ from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.costs import CostModel
-from specter.timing.dispatch import READS
+from specter.timing.dispatch import READS, drop_deferred, flush_reads
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
@@ -109,6 +109,9 @@ class Engine:
         try:
             with self.clock.counting():  # the as-built clock charges the ops and reads the request issues
                 return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
+        except BaseException:
+            drop_deferred()  # reads a failed request deferred: nobody waits for them
+            raise
         finally:
             self.active = False
 
@@ -131,6 +134,7 @@ class Engine:
             if timed is not None:
                 link.timed = timed  # type: ignore[attr-defined]
         seq = list(prompt_ids) + [choose(logits[0, -1], sampling, gen)]
+        flush_reads()  # the prompt's resident layers settle before the first token commits
         if self.proposer is not None:  # the draft's pass over the prompt is prefill too (time to first token)
             self.proposer.prefill(prompt_ids, sampling)
         commits = [self.clock.now()]
@@ -251,7 +255,6 @@ class Engine:
         t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
-        true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
         if sampling.greedy:
             n, nxt = accept_greedy(logits, drafts)
         elif drafts:
@@ -260,6 +263,8 @@ class Engine:
                                     lambda p: coupled_draw(p, sampling.seed, position))
         else:
             n, nxt = 0, choose(logits[-1], sampling, gen)
+        flush_reads()  # a fully resident layer's routing, if the acceptance's read did not bring it
+        true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
         tally.last = (t1 - t0, self.clock.now() - t1)
         tally.draft_s += tally.last[0]
         tally.verify_s += tally.last[1]

@@ -20,6 +20,7 @@ from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
 from specter.timing.clock import VirtualClock, WallClock
+from specter.timing.dispatch import drop_deferred
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class OffloadedTarget:
         return out.logits.float()
 
     def close(self) -> None:
+        drop_deferred()  # a resident layer's routing not read yet: nobody waits for it now
         self.offload.link.close()
 
 

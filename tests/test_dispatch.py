@@ -15,7 +15,15 @@ from specter.engine import Engine
 from specter.target import OffloadedTarget
 from specter.timing.clock import VirtualClock, make_clock
 from specter.timing.costs import resolve_timing
-from specter.timing.dispatch import READS, Dispatch, DispatchCount, host_read
+from specter.timing.dispatch import (
+    READS,
+    Dispatch,
+    DispatchCount,
+    defer_read,
+    drop_deferred,
+    flush_reads,
+    host_read,
+)
 
 FAST = LinkConfig(kind="sim", bandwidth=1e12, latency=0.0)
 PROMPT = list(range(3, 11))
@@ -76,18 +84,39 @@ def _per_token(engine: Engine, layers: int, tokens: int = 16) -> tuple[float, fl
     return (ops2 - ops1) / per, (reads2 - reads1) / per
 
 
-@pytest.mark.parametrize(("budget", "max_ops"), [(1.0, 45), (0.25, 46)])
-def test_plain_decoding_dispatches_a_few_dozen_ops_and_one_read_per_layer(held_out, budget, max_ops):
+@pytest.mark.parametrize(("budget", "max_ops", "reads_per_layer"), [(1.0, 45, 0.25), (0.25, 46, 1.25)])
+def test_plain_decoding_dispatches_a_few_dozen_ops_and_reads_only_where_the_host_decides(
+    held_out, budget, max_ops, reads_per_layer,
+):
     """Counted through the public API: at commit d141f91 plain decoding took 93 ops and 2.25 reads per MoE
-    layer per token here; the grouped layer and the fused step take at most ``max_ops`` and one read of
-    the routing per layer plus the token's."""
+    layer per token here. Now: offloaded, one read of the routing per layer (the misses) and the token's;
+    all resident, only the token's, which brings the layers' routing with it (``defer_read``)."""
     target = OffloadedTarget.load(held_out[0], SlotConfig(fraction=budget), FAST, "demand-lru", device="cpu")
     try:
         ops, reads = _per_token(Engine(target), layers=4)
+        _, stats = Engine(target).generate_fresh(PROMPT, 8)
     finally:
         target.close()
     assert ops <= max_ops
-    assert reads == pytest.approx(1.25)
+    assert reads == pytest.approx(reads_per_layer)
+    assert stats.hits + stats.inflight + stats.misses >= 8 * 4  # the counters settled from deferred reads too
+
+
+def test_a_deferred_read_rides_on_the_next_read_of_its_dtype():
+    seen: dict[str, object] = {}
+    before = READS.count
+    defer_read(torch.tensor([[3, 1], [4, 1]]), lambda ids: seen.update(ids=ids))
+    defer_read(torch.tensor([0.5]), lambda probs: seen.update(probs=probs))
+    with DispatchCount() as counted:
+        assert host_read(torch.tensor([7, 8])) == [7, 8]
+    assert counted.reads == 1 and READS.count - before == 1
+    assert seen["ids"].tolist() == [[3, 1], [4, 1]] and "probs" not in seen  # another dtype waits
+    flush_reads()
+    assert seen["probs"].tolist() == [0.5] and READS.count - before == 2
+    defer_read(torch.tensor([1]), lambda ids: seen.update(late=ids))
+    drop_deferred()
+    flush_reads()
+    assert "late" not in seen
 
 
 def test_a_speculative_round_dispatches_under_sixty_ops_per_committed_token(held_out):

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from specter.bound import LayerUse, Trace
 from specter.config import HostConfig
-from specter.experts.grouped import LayerRoutes, PairOutputs
+from specter.experts.grouped import LayerRoutes, PairOutputs, resident_experts
 from specter.experts.host import HostCompute
 from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer, VirtualLink
 from specter.experts.slots import ChooseVictim, Key, SlotPool
@@ -32,6 +33,7 @@ from specter.experts.store import ExpertShape, ExpertStore
 from specter.plan.base import Policy
 from specter.stats import OffloadCounters
 from specter.timing.clock import WallClock
+from specter.timing.dispatch import defer_read
 
 
 class OffloadedExperts:
@@ -49,6 +51,7 @@ class OffloadedExperts:
         self.timeout = timeout
         self.counters = OffloadCounters()
         self.last_needed: dict[int, list[int]] = {}  # layer → the experts the latest pass routed to
+        self._maps: dict[int, tuple[int, tuple[torch.Tensor, list[int]] | None]] = {}  # layer → (pool version, slots)
         self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
         self.trace: Trace | None = None  # when set, each layer's routing is recorded (the bound)
         # Called with the seconds a wait ahead will last, before the pass waits for a transfer or the
@@ -119,6 +122,9 @@ class OffloadedExperts:
         """transformers' eager experts loop's result, with experts taken from slots in grouped calls
         (``specter/experts/grouped.py``) or, for late ones when the policy allows it, computed on
         the host from their blobs; plus ``residual`` when given (the lean step's)."""
+        resident = self._resident_map(layer)
+        if resident is not None:  # nothing to fetch: the host need not know the routing yet
+            return self._all_resident(module, layer, hidden, top_k_index, top_k_weights, residual, resident)
         routes = LayerRoutes(top_k_index)  # the layer's one read of device data
         needed = routes.needed
         self.last_needed[layer] = needed
@@ -138,7 +144,12 @@ class OffloadedExperts:
         protect = set(keys)
         queue = deque(missing)
         self._issue(queue, pending, protect)
-        self._run(outputs, ready, routes)  # every resident hit in one grouped call
+        if queue and ready:  # no slot for some misses: free as many by computing that many hits first
+            first, ready = ready[: len(queue)], ready[len(queue) :]
+            self._run(outputs, first, routes)
+            protect.difference_update(first)
+            self._issue(queue, pending, protect)
+        self._run(outputs, ready, routes)  # the (other) resident hits in one grouped call
         protect.difference_update(ready)
         self._issue(queue, pending, protect)
         while queue or pending:
@@ -156,6 +167,52 @@ class OffloadedExperts:
         if on_host:
             self._finish_host(on_host)
         return outputs.total(residual)
+
+    def _resident_map(self, layer: int) -> tuple[torch.Tensor, list[int]] | None:
+        """Each of ``layer``'s experts' slot (on the device, and as a list) when every one is ready in a
+        slot; None otherwise. Rebuilt only when the residency changed."""
+        cached = self._maps.get(layer)
+        if cached is not None and cached[0] == self.pool.version:
+            return cached[1]
+        slots = self.pool.layer_slots(layer, self.store.num_experts)
+        found = None if slots is None else (torch.tensor(slots, device=self.pool.device), slots)
+        self._maps[layer] = (self.pool.version, found)
+        return found
+
+    def _all_resident(
+        self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        residual: torch.Tensor | None, resident: tuple[torch.Tensor, list[int]],
+    ) -> torch.Tensor:
+        """A layer whose every expert is ready in a slot: grouped calls sorted on the device, no read;
+        the routing's bookkeeping (counters, trace, policy, the clock's expert time) follows when the
+        next read brings it (``timing/dispatch.py: defer_read``)."""
+        self.counters.layers += 1
+        dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
+        shape = self.pool.shape
+        cut = 2 * shape.intermediate * shape.hidden
+        storage = self.pool.storage
+        gate_up = storage[:, :cut].view(-1, 2 * shape.intermediate, shape.hidden)
+        down = storage[:, cut:].view(-1, shape.hidden, shape.intermediate)
+        slot_map, slots = resident
+        out = resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
+        if self.on_cuda:  # a later copy into any of these slots waits for this layer's kernels
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.pool.device))
+            self.pool.mark_read(slots, event)
+        defer_read(top_k_index, lambda ids: self._settle(layer, ids, dense_s, hidden))
+        return out
+
+    def _settle(self, layer: int, ids: Any, dense_s: float, hidden: torch.Tensor) -> None:
+        """A fully resident layer's bookkeeping, once its routing is on the host."""
+        routes = LayerRoutes(ids)
+        self.last_needed[layer] = routes.needed
+        if self.trace is not None:
+            self._record(layer, dense_s, routes)
+        self.policy.before_layer(layer, hidden, routes.needed)
+        for expert in routes.needed:
+            self.counters.hits += 1
+            self.pool.touch((layer, expert))
+            self.clock.charge_expert(routes.count(expert))
 
     def start_trace(self) -> Trace:
         """Record from now on what the bound needs (``specter/bound.py``): the residency now, the

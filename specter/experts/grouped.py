@@ -34,15 +34,17 @@ _EXPERT_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 class LayerRoutes:
-    """One MoE layer's routing ``(T, k)`` on the host, read once.
+    """One MoE layer's routing ``(T, k)`` on the host, read once (or given, already read).
 
     Attributes:
         ids: ``(T, k)`` expert ids (numpy).
         needed: the experts routed to, ascending.
     """
 
-    def __init__(self, top_k_index: torch.Tensor):
-        self.ids = np.asarray(host_read(top_k_index), dtype=np.int64).reshape(top_k_index.shape)
+    def __init__(self, top_k_index: torch.Tensor | np.ndarray):
+        if isinstance(top_k_index, torch.Tensor):  # the one read
+            top_k_index = np.asarray(host_read(top_k_index), dtype=np.int64).reshape(top_k_index.shape)
+        self.ids = top_k_index
         self.tokens, self.k = self.ids.shape
         experts, counts = np.unique(self.ids, return_counts=True)
         self._count = dict(zip(experts.tolist(), counts.tolist(), strict=True))
@@ -117,8 +119,10 @@ class PairOutputs:
 def resident_experts(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], residual: torch.Tensor | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A MoE layer whose experts are all resident, stacked (the draft's): no read of device data.
+    """A MoE layer whose experts are all resident (the draft's stacked experts, or a target layer
+    whose every expert sits ready in a slot): no read of device data.
 
     The pairs are sorted by expert on the device and the group ends found by a search of the
     sorted ids (no ``bincount``, whose output size a GPU would have to read), so the layer is a
@@ -126,16 +130,19 @@ def resident_experts(
 
     Args:
         hidden: ``(T, H)``; top_k_index, top_k_weights: ``(T, k)``.
-        gate_up: ``(E, 2I, H)``; down: ``(E, H, I)``: every expert's weights.
+        gate_up: ``(G, 2I, H)``; down: ``(G, H, I)``: every expert's weights (``G`` = E), or the
+            slot pool's views (``G`` slots) with ``slot_map``.
         act_fn: the experts' activation.
         residual: added to the output in the weighted sum's op, when given.
+        slot_map: ``(E,)`` each expert's slot (the target's pool), on the device.
     """
     tokens, k = top_k_index.shape
-    experts = gate_up.shape[0]
-    key = (experts, hidden.device)
+    groups = gate_up.shape[0]
+    key = (groups, hidden.device)
     if key not in _EXPERT_IDS:
-        _EXPERT_IDS[key] = torch.arange(experts, device=hidden.device)
-    sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+        _EXPERT_IDS[key] = torch.arange(groups, device=hidden.device)
+    ids = top_k_index.reshape(-1) if slot_map is None else slot_map[top_k_index.reshape(-1)]
+    sorted_ids, order = torch.sort(ids, stable=True)
     ends = torch.searchsorted(sorted_ids, _EXPERT_IDS[key], right=True, out_int32=True)
     x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
     gate, up = grouped_linear(x, gate_up, ends).chunk(2, dim=-1)

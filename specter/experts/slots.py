@@ -58,6 +58,7 @@ class SlotPool:
         self.pins = [0] * self.num_slots
         self.last_use: list[Any] = [None] * self.num_slots  # CUDA event of the last compute that read it
         self.recency: OrderedDict[Key, None] = OrderedDict()
+        self.version = 0  # grows whenever an expert enters, leaves or finishes loading into a slot
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +124,16 @@ class SlotPool:
         """Experts on their way into a slot (of ``group``), oldest transfer first."""
         return [k for k in self.loading if group is None or self.group_of(k[0]) == group]
 
+    def layer_slots(self, layer: int, num_experts: int) -> list[int] | None:
+        """The slot of each of ``layer``'s experts when all of them are ready in slots, else None."""
+        slots = []
+        for expert in range(num_experts):
+            slot = self.where.get((layer, expert))
+            if slot is None or (layer, expert) in self.loading:
+                return None
+            slots.append(slot)
+        return slots
+
     def view(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) views of the slot holding ``key``."""
         return self.shape.split(self.storage[self.where[key]])
@@ -138,6 +149,11 @@ class SlotPool:
         slot = self.where[key]
         self.pins[slot] -= 1
         if event is not None:
+            self.last_use[slot] = event
+
+    def mark_read(self, slots: list[int], event: Any) -> None:
+        """A compute that read ``slots`` without pinning them (a fully resident layer) ends at ``event``."""
+        for slot in slots:
             self.last_use[slot] = event
 
     def evictable(self, layer: int, protect: Iterable[Key] = ()) -> list[Key]:
@@ -173,18 +189,21 @@ class SlotPool:
         return self.evict(victim)
 
     def evict(self, key: Key) -> int:
+        self.version += 1
         slot = self.where.pop(key)
         self.owner[slot] = None
         self.recency.pop(key, None)
         return slot
 
     def start_loading(self, key: Key, slot: int, transfer: Transfer) -> None:
+        self.version += 1
         self.owner[slot] = key
         self.where[key] = slot
         self.loading[key] = transfer
         self.touch(key)
 
     def finish_loading(self, key: Key) -> None:
+        self.version += 1
         self.loading.pop(key, None)
 
     def place(self, key: Key, slot: int, blob: torch.Tensor) -> None:
@@ -194,6 +213,7 @@ class SlotPool:
 
     def claim(self, key: Key, slot: int) -> None:
         """Record ``key`` as resident in ``slot`` (its bytes are put there by the caller)."""
+        self.version += 1
         self.owner[slot] = key
         self.where[key] = slot
         self.touch(key)

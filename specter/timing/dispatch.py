@@ -7,6 +7,10 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 * ``host_read(tensor)`` — the one way the hot path reads device data into Python: it counts the
   read in ``READS`` (the process-wide total the engine's stats report per request) and returns
   the values as a list.
+* ``defer_read(tensor, then)`` — device data the host wants to know but need not wait for (a fully
+  resident layer's routing: for the counters, the trace, the policy): it is read together with the
+  next ``host_read`` of the same dtype, in the same sync, and ``then`` gets its values (numpy) then;
+  ``flush_reads()`` reads what is left (the end of a request).
 * ``DispatchCount`` — a ``TorchDispatchMode`` that counts the ops reaching a kernel (views,
   allocations and other metadata-only ops excluded), every ``tolist`` / ``item`` made while it is
   active (``reads``: through ``host_read`` or not, so a read that bypasses it still shows), and
@@ -17,9 +21,11 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -84,11 +90,53 @@ READS = _Reads()
 _ACTIVE: list[DispatchCount] = []
 
 
+_DEFERRED: list[tuple[torch.Tensor, Callable[[np.ndarray], None]]] = []
+
+
 def host_read(tensor: torch.Tensor) -> Any:
     """``tensor``'s values in Python (``tolist``: a list, or a number for a 0-d tensor): one counted read of
-    device data (a sync on a GPU)."""
+    device data (a sync on a GPU), which also reads the deferred ones of its dtype (``defer_read``)."""
+    pending = [d for d in _DEFERRED if d[0].dtype == tensor.dtype and d[0].device == tensor.device]
+    if not pending:
+        READS.count += 1
+        return tensor.tolist()
+    _DEFERRED[:] = [d for d in _DEFERRED if not any(d is p for p in pending)]
+    values = _read_together([tensor, *(t for t, _ in pending)])
+    for (_, then), value in zip(pending, values[1:], strict=True):
+        then(value)
+    return values[0].tolist()
+
+
+def defer_read(tensor: torch.Tensor, then: Callable[[np.ndarray], None]) -> None:
+    """Read ``tensor`` with the next read of device data (no sync of its own); ``then`` gets its values."""
+    _DEFERRED.append((tensor, then))
+
+
+def flush_reads() -> None:
+    """Read every deferred tensor now (one read per dtype) and hand each its values."""
+    while _DEFERRED:
+        dtype = _DEFERRED[0][0].dtype
+        pending = [d for d in _DEFERRED if d[0].dtype == dtype]
+        _DEFERRED[:] = [d for d in _DEFERRED if d[0].dtype != dtype]
+        for (_, then), value in zip(pending, _read_together([t for t, _ in pending]), strict=True):
+            then(value)
+
+
+def drop_deferred() -> None:
+    """Forget the deferred reads (a request that failed: nobody waits for them)."""
+    _DEFERRED.clear()
+
+
+def _read_together(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Several tensors of one dtype in one counted read, each back in its shape."""
     READS.count += 1
-    return tensor.tolist()
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+    values = np.asarray(flat.tolist())
+    out, start = [], 0
+    for t in tensors:
+        out.append(values[start : start + t.numel()].reshape(tuple(t.shape)))
+        start += t.numel()
+    return out
 
 
 class DispatchCount(TorchDispatchMode):

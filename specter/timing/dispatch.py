@@ -12,8 +12,9 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
   next ``host_read`` of the same dtype, in the same sync, and ``then`` gets its values (numpy) then;
   ``flush_reads()`` reads what is left (the end of a request).
 * ``DispatchCount`` — a ``TorchDispatchMode`` that counts the ops reaching a kernel (views,
-  allocations and other metadata-only ops excluded), every ``tolist`` / ``item`` made while it is
-  active (``reads``: through ``host_read`` or not, so a read that bypasses it still shows), and
+  allocations and other metadata-only ops excluded), every ``tolist``, ``item``, ``int(t)``,
+  ``float(t)`` or ``bool(t)`` made while it is active (``reads``: through ``host_read`` or not, so
+  a read that bypasses it still shows), and
   the ops that sync on a GPU by themselves (``nonzero``, boolean indexing, ``unique``: their output
   shape needs the device's data). Used by tests and ``scripts/dispatch_count.py`` to count through
   the public API; the hot path does not run under it.
@@ -165,6 +166,8 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":  # item(), int(t), float(t), bool(t): a read of one value
+            self.reads += 1
         if name in _SYNCING:
             self.syncs += 1
         if not (func.is_view or name in _FREE):
@@ -177,8 +180,8 @@ _ORIGINAL: dict[str, Any] = {}
 
 
 def _patch_reads() -> None:
-    """Count ``Tensor.tolist`` and ``Tensor.item`` (which do not all pass the dispatcher) while counting."""
-    for name in ("tolist", "item"):
+    """Count ``Tensor.tolist`` (which does not pass the dispatcher) while counting."""
+    for name in ("tolist",):
         original = getattr(torch.Tensor, name)
         _ORIGINAL[name] = original
 

@@ -148,7 +148,8 @@ class LocalProposer:
         """The draft token from a step's logits (greedy, or drawn from the draft's generator with
         its distribution appended to ``qs``)."""
         if self.sampling.greedy:
-            return int(host_read(torch.argmax(logits)))
+            token = getattr(self.draft, "last_token", None)  # read with the step's routing, if the draft does
+            return token if token is not None else int(host_read(torch.argmax(logits)))
         q = probabilities(logits, self.sampling)
         qs.append(q.cpu())
         return int(torch.multinomial(q.cpu(), 1, generator=self.gen))

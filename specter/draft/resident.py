@@ -30,5 +30,5 @@ class ResidentDraft:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
-        self.last_routing = read_routing(self.recorder.last)
+        self.last_routing, _ = read_routing(self.recorder.last)
         return out.logits.float()

@@ -106,6 +106,7 @@ class DraftModel:
         dense_bytes: bytes of the dense parts.
         last_routing: layer → (ids LongTensor (T, k), probs FloatTensor (T, k)) of the last forward, on
             the host: read from the device once per forward, all layers together.
+        last_token: the argmax of the last forward's last position, read in the same read.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class DraftModel:
         self.dense_bytes = loaded.dense_bytes
         self.timings: dict[str, float] = {}
         self.last_routing: Routing = {}
+        self.last_token: int | None = None  # the latest forward's last-position argmax, read with its routing
         self._routing: Routing = {}  # the forward running now's, on the device (the routers' hooks)
         runner = DraftExperts(kernels, grouped)
         for module in loaded.experts_modules.values():
@@ -224,7 +226,8 @@ class DraftModel:
                 self._routing = self.lean.routing()
         else:
             logits = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None).logits
-        self.last_routing = read_routing(self._routing)
+        # the routing and the last position's argmax (the greedy draft token) in one read
+        self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
         return logits.float()
 
     def step(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> DraftStep:

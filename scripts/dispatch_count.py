@@ -23,6 +23,7 @@ import torch
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
+from specter.eval.synthetic import build_held_out
 from specter.target import OffloadedTarget
 from specter.timing.dispatch import DispatchCount
 
@@ -31,24 +32,6 @@ SETTINGS = (  # name, budget, policy, window
     ("offloaded plain 25%", 0.25, "demand-lru", 0),
     ("specter round K 8, 25%", 0.25, "specter+fixed+nopipe", 8),
 )
-
-
-def held_out_model(folder: Path) -> Path:
-    """A seeded Qwen2-MoE with 4 MoE layers of 32 experts (top-4) and a shared expert."""
-    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
-
-    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
-                            max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # wide weights: clear routing margins (tests/tiny_models.py does the same)
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
-    model.save_pretrained(folder)
-    return folder
 
 
 def make_draft(model: Path, out: Path, method: str) -> Path:
@@ -88,7 +71,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model) if args.model else held_out_model(Path(tmp) / "model")
+        model = Path(args.model) if args.model else build_held_out(Path(tmp) / "model")
         draft_dir = Path(args.draft) if args.draft else make_draft(model, Path(tmp) / "draft", args.method)
         draft = load_draft(draft_dir, device="cpu", mode=args.mode)
         prompt = list(range(3, 11))

@@ -23,6 +23,7 @@ Prints markdown tables and writes ``validate_dispatch.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -123,21 +124,29 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+@functools.cache
+def _dims(model: Path) -> tuple[int, int, int, int]:
+    """MoE layers, top-k, one expert's bytes and weights of ``model`` (read once per model)."""
+    import torch
+
+    from specter.models.loader import build_dense
+
+    loaded = build_dense(model, torch.float32)
+    return len(loaded.moe_layers), loaded.top_k, loaded.shape.nbytes, loaded.shape.numel
+
+
 def _one(model: Path, draft: Any, profile: Any, policy: str, budget: float, window: int, dispatch: Any,
          prompt: list[int], new: int) -> dict[str, Any]:
     """One request on its own target and clock (ideal when ``dispatch`` is None, else as built)."""
-    import torch
 
     from specter.config import SlotConfig
     from specter.engine import Engine
-    from specter.models.loader import build_dense
     from specter.target import OffloadedTarget
     from specter.timing.clock import VirtualClock
     from specter.timing.costs import cost_model
     from specter.timing.dispatch import DispatchCount
 
-    loaded = build_dense(model, torch.float32)
-    costs = cost_model(profile, len(loaded.moe_layers), loaded.top_k, loaded.shape.nbytes, loaded.shape.numel)
+    costs = cost_model(profile, *_dims(model))
     if dispatch is not None:
         costs = replace(costs, launches=False)
     clock = VirtualClock(costs, dispatch=dispatch)

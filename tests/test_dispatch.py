@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.draft.quantize.model import quantize_model
 from specter.engine import Engine
+from specter.eval.synthetic import build_held_out
 from specter.target import OffloadedTarget
 from specter.timing.clock import VirtualClock, make_clock
 from specter.timing.costs import resolve_timing
@@ -56,17 +56,7 @@ def held_out(tmp_path_factory) -> tuple[Path, Path]:
     """A Qwen2-MoE of 4 MoE layers x 32 experts, top-4, with a shared expert (used to tune nothing),
     and an int8 draft of it (it agrees with the target: a round's count is that of rounds that stand)."""
     folder = tmp_path_factory.mktemp("held-out")
-    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
-                            max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
-    model.save_pretrained(folder / "model")
+    build_held_out(folder / "model")
     quantize_model(str(folder / "model"), str(folder / "draft"), method="int8", progress=False)
     return folder / "model", folder / "draft"
 

@@ -9,6 +9,7 @@ probabilities: that routing is the draft's prediction of what the target will ne
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,9 @@ class DraftExperts:
         flat = top_k_index.T.flatten()  # (top-k position, token) order
         order = torch.argsort(flat, stable=True)
         rows = order % tokens
-        ids = host_read(flat[order])  # the one read: which experts to call
-        experts = sorted(set(ids))
-        sizes = [ids.count(e) for e in experts]
+        ids = host_read(flat[order])  # the one read: which experts to call (sorted)
+        runs = [(expert, len(list(run))) for expert, run in itertools.groupby(ids)]
+        experts, sizes = [e for e, _ in runs], [n for _, n in runs]
         final = torch.zeros_like(hidden)
         for expert, part, at, weight in zip(
             experts, hidden[rows].split(sizes), rows.split(sizes),

@@ -84,3 +84,24 @@ def build_synthetic(
     folder = Path(folder)
     model.save_pretrained(folder)
     return folder
+
+
+def build_held_out(folder: str | Path) -> Path:
+    """The held-out model the dispatch counts are taken on (``scripts/dispatch_count.py``, the tests):
+    a seeded Qwen2-MoE of 4 MoE layers x 32 experts, top-4, with a shared expert, used to tune
+    nothing; its weights wide enough that routing margins are clear (as ``tests/tiny_models.py``'s)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+                            max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    return folder

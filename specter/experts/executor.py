@@ -188,11 +188,7 @@ class OffloadedExperts:
         next read brings it (``timing/dispatch.py: defer_read``)."""
         self.counters.layers += 1
         dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
-        shape = self.pool.shape
-        cut = 2 * shape.intermediate * shape.hidden
-        storage = self.pool.storage
-        gate_up = storage[:, :cut].view(-1, 2 * shape.intermediate, shape.hidden)
-        down = storage[:, cut:].view(-1, shape.hidden, shape.intermediate)
+        gate_up, down = self.pool.shape.split_rows(self.pool.storage)
         slot_map, slots = resident
         out = resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
         if self.on_cuda:  # a later copy into any of these slots waits for this layer's kernels

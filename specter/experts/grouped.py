@@ -13,9 +13,9 @@ one batched matmul.
 
 Per pair, the arithmetic is transformers' eager loop's (``F.linear`` on the expert's rows,
 ``act(gate) * up``, ``F.linear``); the weighted sum over a token's k experts is one batched matmul
-here and k rounded adds in ascending expert id there, which moves results by rounding alone. As in the eager loop, a pair's bits may depend on how many rows share its
-expert's matmul (the BLAS picks its kernel by shape), so a verify pass and a plain step agree to
-rounding, not bit for bit.
+here and k rounded adds in ascending expert id there, which moves results by rounding alone. As in
+the eager loop, a pair's bits may depend on how many rows share its expert's matmul (the BLAS picks
+its kernel by shape), so a verify pass and a plain step agree to rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ class LayerRoutes:
         """The pairs (``t * k + j``) of the experts in ``slot_of``, sorted by their slot (stable), and
         each pair's slot."""
         flat = self.ids.reshape(-1)
-        slots = np.array([slot_of.get(int(e), -1) for e in flat], dtype=np.int64)
+        lookup = np.full(int(flat.max()) + 1, -1, dtype=np.int64)  # expert → slot, -1: not in this call
+        lookup[list(slot_of)] = list(slot_of.values())
+        slots = lookup[flat]
         chosen = np.flatnonzero(slots >= 0)
         order = chosen[np.argsort(slots[chosen], kind="stable")]
         return order, slots[order]
@@ -93,9 +95,7 @@ class PairOutputs:
         plan = plan.to(self.hidden.device, non_blocking=True)
         n = len(pairs)
         tokens, rows, offs = plan[:n], plan[n : 2 * n], plan[2 * n :]
-        cut = 2 * shape.intermediate * shape.hidden
-        gate_up = storage[:, :cut].view(-1, 2 * shape.intermediate, shape.hidden)
-        down = storage[:, cut:].view(-1, shape.hidden, shape.intermediate)
+        gate_up, down = shape.split_rows(storage)
         x = self.hidden.index_select(0, tokens)
         gate, up = grouped_linear(x, gate_up, offs).chunk(2, dim=-1)
         y = grouped_linear(self.act_fn(gate) * up, down, offs)

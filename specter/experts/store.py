@@ -42,6 +42,12 @@ class ExpertShape:
         gate_up = blob[:cut].view(2 * self.intermediate, self.hidden)
         return gate_up, blob[cut:].view(self.hidden, self.intermediate)
 
+    def split_rows(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(gate_up (S, 2I, H), down (S, H, I))`` of ``(S, numel)`` stacked blobs (a slot pool); no copy."""
+        cut = 2 * self.intermediate * self.hidden
+        gate_up = storage[:, :cut].view(-1, 2 * self.intermediate, self.hidden)
+        return gate_up, storage[:, cut:].view(-1, self.hidden, self.intermediate)
+
 
 class ExpertStore:
     """Every routed expert of the target, in host memory, one blob each.

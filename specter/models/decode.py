@@ -42,10 +42,7 @@ LEAN_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
 
 def _rms(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's forward (``weight * x / rms(x)``, computed in fp32) on its own weight."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+    return _rms_weight(x, norm.weight, norm.variance_epsilon)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +162,7 @@ class LeanStep:
 
 
 def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``_rms`` with a given weight (qwen3's q and k head norms stacked: one weight row per head)."""
+    """RMSNorm with a given weight (a module's, or qwen3's q and k head norms stacked: a row per head)."""
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Ops that launch no kernel: allocation, metadata, aliasing.
 _FREE = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
-    "_to_copy_noop", "set_", "resize_", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "is_same_size",
-    "_local_scalar_dense",
+    "set_", "resize_", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+    "_local_scalar_dense",  # a read (counted as one), not a kernel
 }
 # Ops whose result (shape or value) the host needs from the device: each is a sync on a GPU.
 _SYNCING = {"nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select"}
@@ -141,8 +141,8 @@ def _read_together(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 
 class DispatchCount(TorchDispatchMode):
-    """Counts ops that reach a kernel (``ops``), implicit syncs (``syncs``) and ``host_read`` calls
-    (``reads``) while active; ``by_name`` breaks the ops down by aten name."""
+    """Counts ops that reach a kernel (``ops``), implicit syncs (``syncs``) and reads of tensor values
+    into Python (``reads``) while active; ``by_name`` breaks the ops down by aten name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,24 +176,21 @@ class DispatchCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_ORIGINAL: dict[str, Any] = {}
+_ORIGINAL: list[Any] = []  # Tensor.tolist while a counter patches it
 
 
 def _patch_reads() -> None:
     """Count ``Tensor.tolist`` (which does not pass the dispatcher) while counting."""
-    for name in ("tolist",):
-        original = getattr(torch.Tensor, name)
-        _ORIGINAL[name] = original
+    original = torch.Tensor.tolist
+    _ORIGINAL.append(original)
 
-        def counted(self: torch.Tensor, *args: Any, _original: Any = original) -> Any:
-            for counter in _ACTIVE:
-                counter.reads += 1
-            return _original(self, *args)
+    def counted(self: torch.Tensor, *args: Any) -> Any:
+        for counter in _ACTIVE:
+            counter.reads += 1
+        return original(self, *args)
 
-        setattr(torch.Tensor, name, counted)
+    torch.Tensor.tolist = counted  # type: ignore[method-assign, assignment]
 
 
 def _unpatch_reads() -> None:
-    for name, original in _ORIGINAL.items():
-        setattr(torch.Tensor, name, original)
-    _ORIGINAL.clear()
+    torch.Tensor.tolist = _ORIGINAL.pop()  # type: ignore[method-assign]

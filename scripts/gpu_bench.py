@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --smoke)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 32 (6 with --smoke)")
     parser.add_argument("--gain", type=float, default=None, help="override every shape's agreement knob")
+    parser.add_argument("--models", default=None,
+                        help="folder for the synthetic checkpoints (default: a temporary one, removed at the end; "
+                             "never under --out, whose files travel back from a device)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -71,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                                "repeats": repeats, "new_tokens": new_tokens, "budgets": budgets, "shapes": {}}
+    scratch = tempfile.TemporaryDirectory(prefix="specter-bench-")
+    models = Path(args.models) if args.models else Path(scratch.name)
     for shape in shapes:
         t0 = time.perf_counter()
         try:
-            results["shapes"][shape] = bench_shape(shape, out / "models", budgets, repeats, new_tokens, args, cuda)
+            results["shapes"][shape] = bench_shape(shape, models, budgets, repeats, new_tokens, args, cuda)
         except Exception as exc:  # one shape failing leaves the others' figures
             results["shapes"][shape] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         results["shapes"][shape]["seconds"] = round(time.perf_counter() - t0, 1)
@@ -82,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
     (out / "gpu_bench.md").write_text(markdown(results))
     print(markdown(results))
+    scratch.cleanup()
     return 0
 
 

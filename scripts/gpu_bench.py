@@ -13,7 +13,9 @@ repeat, prompts differing per repeat), with medians over ``--repeats``:
 * ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %).
 
 Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / drafted per round,
-hit rate, link busy share, host reads per MoE layer per token. Writes ``gpu_bench.json`` and
+hit rate, link busy share, host reads per MoE layer per token. Per shape also the draft's one-token
+step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run eagerly), against
+the engine's resident step. Writes ``gpu_bench.json`` and
 ``gpu_bench.md`` under ``--out``. On a CPU (``--smoke``: shrunk shapes, 1 layer, a few tokens, a
 simulated link) the same code runs as a test of the script (``tests/test_gpu_bench.py``).
 """
@@ -120,12 +122,37 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
                 runs[f"{policy}@{budget:g}"].append(runner.run(policy, budget, prompt, new_tokens))
     finally:
         runner.close()
+    steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens)
+             for mode in ("eager", "graph" if cuda else "static")}
     summary = {name: summarize(rows) for name, rows in runs.items()}
     for name, row in summary.items():
         base = summary.get(f"demand-lru@{name.split('@')[1]}")
         if base is not None and base["tpot_ms"] and row["tpot_ms"]:
             row["vs_demand_lru"] = round(base["tpot_ms"] / row["tpot_ms"], 3)
-    return {"layers": layers, "gain": gain, "dtype": str(dtype), "summary": summary, "runs": runs}
+    resident = summary["engine@1"]["tpot_ms"]
+    draft_step = {mode: {"ms": ms, "vs_target_step": round(ms / resident, 3) if resident else None}
+                  for mode, ms in steps.items()}
+    return {"layers": layers, "gain": gain, "dtype": str(dtype), "summary": summary, "draft_step": draft_step,
+            "runs": runs}
+
+
+def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, tokens: int) -> float:
+    """The draft's one-token step in ``step`` mode (``DraftModel.load``): median ms over ``tokens`` greedy
+    steps after a 16-token prompt (each step reads its routing and token, as the engine's do)."""
+    from specter.draft.runner import DraftModel
+
+    draft = DraftModel.load(folder, device=device, mode="dequant-cache", dtype=dtype, step=step)
+    try:
+        cache = draft.new_cache()
+        draft.forward(torch.arange(16)[None], cache)
+        times = []
+        for _ in range(tokens + 2):  # the first two: warm-up (and the capture)
+            t0 = time.perf_counter()
+            draft.forward(torch.tensor([[draft.last_token]]), cache)
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times[2:]) * 1e3, 4)
+    finally:
+        draft.close()
 
 
 class Runner:
@@ -212,6 +239,10 @@ def markdown(results: dict[str, Any]) -> str:
             accepted = f"{row['accepted']:.1f} / {row['window']:.1f}" if row.get("window") else "-"
             lines.append(f"| {name} | {row['tpot_ms']:.2f} | {ratio} | {accepted} | {row.get('hit_rate', 1.0):.2f} "
                          f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} |")
+        steps = block.get("draft_step", {})
+        if steps:
+            lines.append("Draft step (one token, ms; ratio to the engine's resident step): " + ", ".join(
+                f"{mode} {row['ms']:.3f} ({row['vs_target_step']}x)" for mode, row in steps.items()))
         lines.append("")
     return "\n".join(lines)
 

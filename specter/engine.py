@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from specter.bound import Trace, lower_bound
 from specter.config import SamplingConfig
 from specter.draft.loading import check_draft_matches
+from specter.models.graphed import StaticKV
 from specter.models.routing import Routing
 from specter.proposer import Draft, IdleProposer, LocalProposer, PipelinedProposer, Proposer
 from specter.protocol import PlanDelta
@@ -234,7 +235,7 @@ class Engine:
 
     # -- the round --------------------------------------------------------------------------
     def _round(
-        self, round_id: int, seq: list[int], tcache: DynamicCache, k: int,
+        self, round_id: int, seq: list[int], tcache: DynamicCache | StaticKV, k: int,
         sampling: SamplingConfig, gen: torch.Generator, tally: _Tally, standing: bool = False, ahead_limit: int = 0,
     ) -> tuple[list[int], int | None, bool]:
         """One round: the tokens it commits (accepted drafts + the target's next token) and, when

@@ -16,6 +16,7 @@ from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
 from specter.experts.slots import SlotPool
 from specter.memory import MemoryPlan, plan_memory
 from specter.models.decode import LeanStep
+from specter.models.graphed import STEP_MODES, GraphedStep, StaticKV
 from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 class OffloadedTarget:
     """The target model: dense parts on the device, routed experts behind the slot pool."""
 
-    def __init__(self, loaded: LoadedModel, offload: OffloadedExperts, device: torch.device):
+    def __init__(self, loaded: LoadedModel, offload: OffloadedExperts, device: torch.device, step: str = "auto"):
         self.loaded = loaded
         self.model = loaded.model
         self.offload = offload
@@ -40,6 +41,25 @@ class OffloadedTarget:
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = offload
         offload.policy.attach_model(self.model)
+        self.step_mode = self._step_mode(step)
+        self.graphed: GraphedStep | None = None
+        if self.step_mode != "eager":
+            self.graphed = GraphedStep(self.lean, StaticKV.for_model(self.model), self.step_mode == "graph", split=True)
+
+    def _step_mode(self, step: str) -> str:
+        """``auto``: CUDA graphs on a GPU where the lean step takes the family and fuses every router."""
+        if step not in STEP_MODES:
+            raise ValueError(f"step: expected one of {', '.join(STEP_MODES)}, got {step!r}")
+        fused = self.lean.fused if self.lean is not None else None
+        static_ok = fused is not None and all(f.projection is not None for f in fused if f.routed)
+        if step == "auto":
+            return "graph" if static_ok and self.device.type == "cuda" else "eager"
+        if step != "eager" and not static_ok:
+            raise ValueError(f"step: {step!r} needs the fused lean step of a supported family without router "
+                             f"biases; this target is {self.loaded.family.model_type}")
+        if step == "graph" and self.device.type != "cuda":
+            raise ValueError(f"step: 'graph' needs a CUDA device; this target is on {self.device}")
+        return step
 
     @classmethod
     def load(
@@ -53,6 +73,7 @@ class OffloadedTarget:
         timeout: float = 60.0,
         memory: MemoryRequest | None = None,
         clock: WallClock | None = None,
+        step: str = "auto",
     ) -> OffloadedTarget:
         """Load a checkpoint folder into an offloaded target.
 
@@ -66,6 +87,10 @@ class OffloadedTarget:
             timeout: seconds before a transfer that never lands is an error.
             memory: device memory to plan (used when ``budget`` is None).
             clock: the run's clock (``specter/timing/clock.py``); a virtual one gets a virtual link.
+            step: how steps after the prompt run (``models/graphed.py``): ``graph`` (the dense parts
+                between expert calls as CUDA graphs over a fixed-capacity KV cache), ``static`` (the
+                same pieces eagerly), ``eager`` (the lean step over a ``DynamicCache``), ``auto``
+                (``graph`` on CUDA where the family allows, else ``eager``).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -88,7 +113,7 @@ class OffloadedTarget:
             link = _make_link(link, device, clock)
         offload = OffloadedExperts(store, pool, link, policy, timeout=timeout, clock=clock)
         offload.prefill_slots()
-        target = cls(loaded, offload, device)
+        target = cls(loaded, offload, device, step)
         target.memory_plan = plan
         target.tokenizer = load_tokenizer(loaded.checkpoint.dir)
         log.info(
@@ -106,14 +131,28 @@ class OffloadedTarget:
     def clock(self) -> WallClock:
         return self.offload.clock
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> DynamicCache | StaticKV:
+        """An empty KV cache: the static one the graphed step writes (one sequence at a time), or a new
+        ``DynamicCache``."""
+        if self.graphed is not None:
+            self.graphed.cache.reset()
+            return self.graphed.cache
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | StaticKV) -> torch.Tensor:
         """Logits (fp32) for ``input_ids`` (1, T) continuing ``cache``."""
         self.offload.context = cache.get_seq_length()
         input_ids = input_ids.to(self.device)
+        if isinstance(cache, StaticKV):
+            if self.graphed is None or cache is not self.graphed.cache:
+                raise ValueError("cache: a static cache of another model (take it from this target's new_cache())")
+            if cache.length > 0:
+                return self.graphed(input_ids).float()
+            prompt = DynamicCache(config=self.model.config)
+            logits = self.model(input_ids=input_ids, cache=prompt, use_cache=True).logits
+            cache.absorb(prompt)
+            return logits.float()  # type: ignore[no-any-return]
         if self.lean is not None and self.lean.takes(input_ids, cache):
             return self.lean(input_ids, cache).float()
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
@@ -124,7 +163,7 @@ class OffloadedTarget:
         self.offload.link.close()
 
 
-def crop_cache(cache: DynamicCache, length: int) -> None:
+def crop_cache(cache: DynamicCache | StaticKV, length: int) -> None:
     """Cut the KV cache back to its first ``length`` positions (speculation rolls back with it)."""
     extra = cache.get_seq_length() - length
     if extra < 0:

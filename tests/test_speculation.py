@@ -52,6 +52,21 @@ def test_greedy_is_token_identical_for_every_policy_window_budget(setup, policy,
             assert stats.extra["rounds"] > 0 and 0 <= stats.extra["recall"] <= 1
 
 
+@pytest.mark.parametrize(("policy", "window"), [("specter", 4), ("specter-paper", 8), ("demand-lru", 0)])
+def test_the_pieces_a_gpu_graphs_are_token_identical_too(setup, policy, window):
+    """Target and draft steps after the prompt through ``models/graphed.py``'s static pieces (what a GPU
+    replays as CUDA graphs), run eagerly: verify passes of K+1 positions and one-token steps decode
+    transformers' tokens."""
+    folder, top_k, expected, draft = setup
+    target = OffloadedTarget.load(folder, SlotConfig(experts=top_k), LINK, policy=policy, step="static")
+    try:
+        tokens, _ = Engine(target, draft if window else None, window).generate_fresh(PROMPT, NEW)
+    finally:
+        target.close()
+    assert tokens == expected, (policy, window)
+    assert target.graphed is not None and len(target.graphed.pieces) >= (2 if window else 1)
+
+
 def test_draft_equal_to_target_accepts_every_draft_token(setup):
     folder, _, expected, _ = setup
     same = ResidentDraft(folder)

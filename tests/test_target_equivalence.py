@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SlotConfig
 from specter.generation import generate
+from specter.models.decode import LEAN_FAMILIES
+from specter.models.graphed import StaticKV
 from specter.target import OffloadedTarget
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
@@ -69,5 +71,39 @@ def test_experts_are_never_materialized_fused(tiny_dir):
         store = target.offload.store
         blob = store.blob(1, 3)
         assert blob.is_contiguous() and blob.numel() == store.shape.numel
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
+def test_the_pieces_a_gpu_graphs_decode_as_transformers_generate(family, tiny_dir):
+    """``step="static"``: the target's steps after the prompt as the pieces a GPU captures
+    (``models/graphed.py``: dense parts over a fixed-capacity cache, experts between pieces), run
+    eagerly — at every budget the greedy tokens are transformers'; a capacity of 4 positions makes
+    the cache double while decoding."""
+    folder = tiny_dir(family)
+    ref = _reference(folder)
+    out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    for budget in ("1.0", "min"):
+        target = OffloadedTarget.load(folder, _budget(budget, ref), FAST_LINK, step="static")
+        assert target.graphed is not None and target.graphed.splits
+        target.graphed.cache = StaticKV.for_model(target.model, capacity=4)
+        try:
+            tokens, _ = generate(target, PROMPT, NEW)
+        finally:
+            target.close()
+        assert tokens == out[0, len(PROMPT):].tolist(), f"{family} at budget {budget}"
+        assert target.graphed.cache.capacity == 32
+
+
+def test_a_step_mode_the_target_cannot_take_is_refused_by_name(tiny_dir):
+    folder = tiny_dir("mixtral")
+    with pytest.raises(ValueError, match="step: expected one of"):
+        OffloadedTarget.load(folder, SlotConfig(fraction=0.5), FAST_LINK, step="compiled")
+    with pytest.raises(ValueError, match="step: 'graph' needs a CUDA device"):
+        OffloadedTarget.load(folder, SlotConfig(fraction=0.5), FAST_LINK, step="graph")
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), FAST_LINK)
+    try:
+        assert target.step_mode == "eager" and target.graphed is None  # auto on a CPU
     finally:
         target.close()

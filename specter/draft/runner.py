@@ -24,12 +24,12 @@ from specter.experts.grouped import resident_experts
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.decode import LeanStep
 from specter.models.families import family_for
+from specter.models.graphed import STEP_MODES, GraphedStep, StaticKV
 from specter.models.loader import LoadedModel, build_dense
 from specter.models.routing import Routing, read_routing, router_modules
 from specter.timing.dispatch import host_read
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -112,7 +112,7 @@ class DraftModel:
 
     def __init__(
         self, loaded: LoadedModel, kernels: ExpertKernels, device: torch.device, packed_bytes: int,
-        lean: bool = True, fused: bool = True, grouped: bool = True,
+        lean: bool = True, fused: bool = True, grouped: bool = True, step: str = "auto",
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -133,11 +133,31 @@ class DraftModel:
             for layer, router in router_modules(loaded.model).items()
         ]
         self.lean = LeanStep.for_model(loaded.model, loaded.family.model_type, fused) if lean else None
+        self.step_mode = self._step_mode(step)
+        self.graphed: GraphedStep | None = None
+        if self.step_mode != "eager":
+            assert self.lean is not None
+            self.graphed = GraphedStep(self.lean, StaticKV.for_model(self.model), capture=self.step_mode == "graph")
+
+    def _step_mode(self, step: str) -> str:
+        if step not in STEP_MODES:
+            raise ValueError(f"step: expected one of {', '.join(STEP_MODES)}, got {step!r}")
+        static_ok = self.lean is not None and self.lean.fused is not None and self.kernels.mode == "dequant-cache"
+        if step == "auto":
+            return "graph" if static_ok and self.device.type == "cuda" else "eager"
+        if step != "eager" and not static_ok:
+            raise ValueError(f"step: {step!r} needs the fused lean step of a supported family and the "
+                             f"dequant-cache mode (its experts grouped on the device); this draft has mode "
+                             f"{self.kernels.mode!r}, lean step {'on' if self.lean is not None else 'off'}")
+        if step == "graph" and self.device.type != "cuda":
+            raise ValueError(f"step: 'graph' needs a CUDA device; this draft is on {self.device}")
+        return step
 
     @classmethod
     def load(
         cls, draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto",
         dtype: torch.dtype | None = None, lean: bool = True, fused: bool = True, grouped: bool = True,
+        step: str = "auto",
     ) -> DraftModel:
         """Load a quantized draft: a folder written by ``specter quantize``, or a published int4
         checkpoint of the target (AutoAWQ GEMM, GPTQ, compressed-tensors; ``format.published``).
@@ -157,6 +177,10 @@ class DraftModel:
                 bit for bit transformers' forward of the same experts runner.
             grouped: stacked experts in grouped calls (``DraftExperts``); False: one call per expert,
                 summed as transformers' loop sums (bit for bit its, with ``fused=False``).
+            step: how a step after the prompt runs (``models/graphed.py``): ``graph`` (a CUDA graph over
+                a fixed-capacity KV cache), ``static`` (the same step eagerly: what a CPU can test),
+                ``eager`` (the lean step over a ``DynamicCache``), ``auto`` (``graph`` on CUDA where
+                the draft's experts are grouped and its step fused, else ``eager``).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None and device.type == "cpu":
@@ -187,7 +211,7 @@ class DraftModel:
             mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
         kernels = ExpertKernels(experts, mode, loaded.shape.dtype, device)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
-        draft = cls(loaded, kernels, device, packed_bytes, lean=lean, fused=fused, grouped=grouped)
+        draft = cls(loaded, kernels, device, packed_bytes, lean=lean, fused=fused, grouped=grouped, step=step)
         draft.timings = timings
         log.info(
             "draft %s: %s, experts %.2f MB packed, %.2f MB in compute form, dense %.2f MB",
@@ -204,11 +228,16 @@ class DraftModel:
         """Dense parts plus every expert in packed form."""
         return self.dense_bytes + self.packed_bytes
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> DynamicCache | StaticKV:
+        """An empty KV cache: the static one the graphed step writes (one sequence at a time), or a new
+        ``DynamicCache``."""
+        if self.graphed is not None:
+            self.graphed.cache.reset()
+            return self.graphed.cache
         return DynamicCache(config=self.model.config)
 
     @staticmethod
-    def crop(cache: DynamicCache, length: int) -> None:
+    def crop(cache: DynamicCache | StaticKV, length: int) -> None:
         """Cut the KV cache back to its first ``length`` positions (a rejected draft suffix)."""
         extra = cache.get_seq_length() - length
         if extra < 0 or length < 0:
@@ -217,11 +246,13 @@ class DraftModel:
             cache.crop(-extra)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | StaticKV | None = None) -> torch.Tensor:
         """Logits (fp32, ``(1, T, V)``) for ``input_ids`` (1, T) continuing ``cache``; sets ``last_routing``."""
         self._routing = {}
         input_ids = input_ids.to(self.device)
-        if self.lean is not None and self.lean.takes(input_ids, cache):
+        if isinstance(cache, StaticKV):
+            logits = self._static_forward(input_ids, cache)
+        elif self.lean is not None and self.lean.takes(input_ids, cache):
             logits = self.lean(input_ids, cache)  # type: ignore[arg-type]
             if self.lean.fused is not None:  # its routers ran inline, not through the hooks
                 self._routing = self.lean.routing()
@@ -231,7 +262,22 @@ class DraftModel:
         self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
         return logits.float()
 
-    def step(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> DraftStep:
+    def _static_forward(self, input_ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
+        """A forward over the static cache: the prompt through transformers (copied in after), the
+        steps after it through the graphed step."""
+        assert self.graphed is not None and self.lean is not None
+        if cache is not self.graphed.cache:
+            raise ValueError("cache: a static cache of another draft (take it from this draft's new_cache())")
+        if cache.length == 0:
+            prompt = DynamicCache(config=self.model.config)
+            logits = self.model(input_ids=input_ids, cache=prompt, use_cache=True).logits
+            cache.absorb(prompt)
+            return logits  # type: ignore[no-any-return]
+        logits = self.graphed(input_ids)
+        self._routing = self.graphed.routing
+        return logits
+
+    def step(self, input_ids: torch.Tensor, cache: DynamicCache | StaticKV | None = None) -> DraftStep:
         """One forward with its routing."""
         logits = self.forward(input_ids, cache)
         return DraftStep(logits, self.last_routing)

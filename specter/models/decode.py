@@ -108,12 +108,11 @@ class LeanStep:
         mask = None
         if tokens > 1:  # what transformers' sdpa mask is for these positions: key j for query i iff j <= past + i
             mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[0, :, None])[None, None]
+        return self._run(input_ids, positions, mask, cache)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
         hidden = self.inner.embed_tokens(input_ids)
-        cos, sin = self.inner.rotary_emb(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self.fused is not None:  # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated)
-            half = sin.shape[-1] // 2
-            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = self.rotary(hidden, positions)
         for i, layer in enumerate(self.layers):
             x = _rms(layer.input_layernorm, hidden)
             if self.fused is None:
@@ -123,6 +122,15 @@ class LeanStep:
                 hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden)
                 hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
         return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation's cos and sin at ``positions`` (1, T), shaped for the heads (fused: ``sin`` signed)."""
+        cos, sin = self.inner.rotary_emb(hidden, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.fused is not None:  # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated)
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos, sin
 
     @staticmethod
     def _attention(
@@ -252,6 +260,14 @@ class _Fused:
             return residual + mlp(x)  # type: ignore[no-any-return]
         if self.projection is None:  # projections with biases: unfused
             return residual + LeanStep._mlp(mlp, x)
+        flat, ids, weights, projected = self.route(x)
+        out = _experts_with_residual(mlp.experts, flat, ids, weights, residual.view(flat.shape))
+        return self.combine(mlp, out, projected).view(x.shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's choice for ``x`` (1, T, H) (kept in ``routing``): the rows ``(T, H)``, top-k ids and
+        weights ``(T, k)``, and the fused projection (router logits, then the shared expert's inputs)."""
+        assert self.projection is not None
         flat = x.view(x.shape[1], -1)
         projected = F.linear(flat, self.projection)
         logits = projected[:, : self.experts]
@@ -259,14 +275,17 @@ class _Fused:
         self.routing = (ids, probs)
         weights = probs / probs.sum(dim=-1, keepdim=True) if self.normalize else probs
         weights = weights if self.float_weights else weights.to(logits.dtype)
-        out = _experts_with_residual(mlp.experts, flat, ids, weights, residual.view(flat.shape))
+        return flat, ids, weights, projected
+
+    def combine(self, mlp: Any, out: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output ``out`` (T, H) (with the residual in it) plus the gated shared expert."""
         if projected.shape[1] == self.experts:
-            return out.view(x.shape)
+            return out
         shared, start = mlp.shared_expert, self.experts
         gate, up = projected[:, start : start + self.inter], projected[:, start + self.inter : start + 2 * self.inter]
         shared_out = F.linear(shared.act_fn(gate) * up, shared.down_proj.weight)
         score = projected[:, start + 2 * self.inter :]
-        return torch.addcmul(out, torch.sigmoid(score), shared_out).view(x.shape)
+        return torch.addcmul(out, torch.sigmoid(score), shared_out)
 
 
 def _experts_with_residual(

@@ -13,9 +13,10 @@ from specter.models.decode import LEAN_FAMILIES
 _STEPS = (1, 1, 2, 1, 3, "crop", 1, 2, "crop", 1)
 
 
-def _same_steps(folder: str, dtype: torch.dtype, vocab: int, prompt_len: int = 7, fused: bool = False) -> None:
+def _same_steps(folder: str, dtype: torch.dtype, vocab: int, prompt_len: int = 7, fused: bool = False,
+                step: str = "eager", draft: DraftModel | None = None) -> None:
     """Lean and eager steps agree: bit for bit unfused, to rounding (and the same routing) fused."""
-    lean = DraftModel.load(folder, device="cpu", mode="dequant-cache", dtype=dtype, fused=fused)
+    lean = draft or DraftModel.load(folder, device="cpu", mode="dequant-cache", dtype=dtype, fused=fused, step=step)
     eager = DraftModel.load(folder, device="cpu", mode="dequant-cache", dtype=dtype, lean=False)
     assert lean.lean is not None and eager.lean is None
     gen = torch.Generator().manual_seed(11)
@@ -84,3 +85,58 @@ def test_other_families_take_transformers_forward(draft_dir) -> None:
     cache = draft.new_cache()
     draft.forward(torch.tensor([[1, 2, 3]]), cache)
     assert draft.forward(torch.tensor([[4]]), cache).shape == (1, 1, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
+def test_static_steps_route_as_transformers_forward_and_match_its_logits(family, dtype, draft_dir) -> None:
+    """The step a GPU captures as a CUDA graph (``models/graphed.py``), run eagerly over the static
+    cache — one-token steps at the device-side position over the whole capacity, catch-ups and crops
+    by slicing — routes as transformers' forward does and matches its logits to rounding."""
+    _same_steps(str(draft_dir(family, "awq")), dtype, vocab=128, fused=True, step="static")
+
+
+def test_a_static_cache_that_fills_doubles_and_keeps_its_positions(draft_dir) -> None:
+    """Steps past the capacity move the buffers (a new capture on a GPU) and lose nothing held."""
+    from specter.models.graphed import StaticKV
+
+    folder = str(draft_dir("qwen2_moe", "awq"))
+    static = DraftModel.load(folder, device="cpu", mode="dequant-cache", step="static")
+    assert static.graphed is not None
+    static.graphed.cache = StaticKV.for_model(static.model, capacity=4)
+    _same_steps(folder, torch.float32, vocab=128, prompt_len=3, fused=True, step="static", draft=static)
+    assert static.graphed.cache.capacity >= 16 and static.graphed.cache.version >= 2
+
+
+def test_a_static_cache_crops_as_a_dynamic_cache_does() -> None:
+    from transformers import DynamicCache
+
+    from specter.models.graphed import StaticKV
+
+    static, dynamic = StaticKV(2, 1, 4, torch.float32, torch.device("cpu"), capacity=2), DynamicCache()
+    for _ in range(3):
+        kv = torch.randn(1, 1, 2, 4)
+        for layer in range(2):
+            static.update(kv, kv, layer)
+            dynamic.update(kv, kv, layer)
+    for cut in (-1, 0, -2):
+        static.crop(cut)
+        dynamic.crop(cut)
+        assert static.get_seq_length() == dynamic.get_seq_length()
+        keys, _ = static.update(torch.zeros(1, 1, 0, 4), torch.zeros(1, 1, 0, 4), 0)
+        torch.testing.assert_close(keys, dynamic.layers[0].keys)
+    with pytest.raises(ValueError, match="tokens_to_remove"):
+        static.crop(-4)
+    with pytest.raises(ValueError, match="tokens_to_remove"):
+        static.crop(1)
+
+
+def test_a_step_mode_the_draft_cannot_take_is_refused_by_name(draft_dir) -> None:
+    folder = str(draft_dir("qwen2_moe", "awq"))
+    with pytest.raises(ValueError, match="step: expected one of"):
+        DraftModel.load(folder, device="cpu", mode="dequant-cache", step="compiled")
+    with pytest.raises(ValueError, match="step: 'graph' needs a CUDA device"):
+        DraftModel.load(folder, device="cpu", mode="dequant-cache", step="graph")
+    with pytest.raises(ValueError, match="dequant-cache"):
+        DraftModel.load(folder, device="cpu", mode="dequant-on-the-fly", step="static")
+    assert DraftModel.load(folder, device="cpu", mode="dequant-cache").step_mode == "eager"  # auto on a CPU

@@ -1,0 +1,282 @@
+"""Decode steps with static shapes: a fixed-capacity KV cache, the dense parts replayed as CUDA graphs.
+
+On a GPU a small model's decode step is launch-bound: the H200 ran the draft's eager step (some 45
+kernels per MoE layer, each issued from Python) at about the target's cost, whatever int4 saved
+(shared NOTES, "First run on a GPU"), and the target's step spent 1.5 ms a layer issuing ~45 kernels
+where its arithmetic needs ~0.05 ms (docs/benchmark.md). A CUDA graph launches a captured sequence of kernels at
+once, but only over buffers whose shapes and addresses never change. So:
+
+* ``StaticKV`` holds each layer's keys and values in buffers of a fixed capacity, the length on the
+  host and the next position on the device. Several tokens at once (a prompt's copy, a round's
+  catch-up) write and attend by slicing, as ``DynamicCache`` does; the static step writes its token at
+  the device-side position and attends over the whole capacity with the slots past it masked.
+  ``crop`` only moves the length (slots past it are masked until rewritten). When a sequence
+  outgrows the capacity the buffers double, and a capture over the old ones is dropped.
+* ``GraphedStep`` runs the fused lean step (``models/decode.py``) over one ``StaticKV`` in pieces cut
+  at each layer whose experts must run outside a graph (the target's: its executor reads the routing
+  and fetches misses); the draft's experts are resident and grouped, so its step is one piece. On
+  CUDA each piece is captured once per token count (and again when the cache's buffers move) and
+  replayed; between pieces the experts run eagerly. With ``capture=False`` (a CPU) the same pieces
+  run eagerly, so the tests run the code a GPU captures.
+
+The prompt still takes transformers' forward (into a ``DynamicCache``, then copied in): it runs once
+per request, and its shapes differ every time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from specter.models.decode import _experts_with_residual, _rms
+from specter.models.routing import Routing
+
+log = logging.getLogger(__name__)
+STEP_MODES = ("auto", "graph", "static", "eager")  # how a model's steps after the prompt run (see load())
+
+
+class StaticKV:
+    """A KV cache of fixed capacity (doubling when outgrown), in place of a ``DynamicCache``.
+
+    Attributes:
+        length: positions held (host).
+        position: ``(1,)`` the position the static step writes next (device; set before each step).
+        slots: ``(capacity,)`` 0, 1, …: the static step's mask is ``slots <= position``.
+        version: bumped when the buffers move (a graph captured over the old ones is stale).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 256):
+        if capacity < 1:
+            raise ValueError(f"capacity: expected at least 1 position, got {capacity}")
+        self.shape = (1, kv_heads, capacity, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.keys = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.slots = torch.arange(capacity, device=device)
+        self.length = 0
+        self.version = 0
+        self.static = False  # set by GraphedStep while its pieces run: write at ``write_at``, attend over all
+        self.write_at = self.position
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> StaticKV:
+        """A cache shaped for ``model``'s attention layers, on its device and in its dtype."""
+        config: Any = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weight = model.get_input_embeddings().weight  # type: ignore[operator]
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, weight.dtype, weight.device,
+                   capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        """Empty (a new request); the buffers and any capture over them stay."""
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (a negative count, as ``DynamicCache.crop`` takes)."""
+        if tokens_to_remove > 0 or -tokens_to_remove > self.length:
+            raise ValueError(f"tokens_to_remove: expected a negative count of at most {self.length} positions "
+                             f"to drop, got {tokens_to_remove}")
+        self.length += tokens_to_remove
+
+    def reserve(self, length: int) -> None:
+        """Room for ``length`` positions: double the capacity until it fits, keeping what is held."""
+        if length <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < length:
+            capacity *= 2
+        self.shape = (*self.shape[:2], capacity, self.shape[3])
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                buffers[i] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                buffers[i][:, :, : self.length] = old[:, :, : self.length]
+        self.slots = torch.arange(capacity, device=self.device)
+        self.version += 1
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new keys and values ``(1, heads, T, d)``; return what its query attends over."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.static:  # at the device-side positions; the whole capacity, masked by the step
+            keys.index_copy_(2, self.write_at, key)
+            values.index_copy_(2, self.write_at, value)
+            return keys, values
+        end = self.length + key.shape[2]
+        if layer_idx == 0:
+            self.reserve(end)
+            keys, values = self.keys[0], self.values[0]
+        keys[:, :, self.length : end] = key
+        values[:, :, self.length : end] = value
+        if layer_idx == len(self.keys) - 1:
+            self.length = end
+        return keys[:, :, :end], values[:, :, :end]
+
+    def absorb(self, cache: DynamicCache) -> None:
+        """Take a ``DynamicCache``'s positions (the prompt's, from transformers' forward)."""
+        length = cache.get_seq_length()
+        if len(cache.layers) != len(self.keys):
+            raise ValueError(f"cache: {len(cache.layers)} layers, this static cache has {len(self.keys)}")
+        self.length = 0
+        self.reserve(length)
+        for i, layer in enumerate(cache.layers):
+            held: Any = layer  # a full-attention layer (DynamicLayer): keys and values tensors
+            self.keys[i][:, :, :length] = held.keys
+            self.values[i][:, :, :length] = held.values
+        self.length = length
+
+
+class _Pieces:
+    """One token count's pieces: static inputs, what each piece leaves for the next, their graphs."""
+
+    def __init__(self, tokens: int, device: torch.device):
+        self.ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
+        self.steps = torch.arange(tokens, device=device)
+        self.moe: list[torch.Tensor] = []  # per split: the experts' output (residual in it), copied in
+        self.routes: list[tuple[torch.Tensor, ...]] = []  # per split: rows, ids, weights, residual, projection
+        self.positions = self.mask = self.cos = self.sin = self.logits = torch.empty(0)
+        self.graphs: list[Any] = []
+        self.routing: list[Any] = []  # each fused layer's routing tensors as the graphs left them
+        self.version = -1
+
+
+class GraphedStep:
+    """``step(tokens (1, T)) -> logits (1, T, V)`` at ``cache.length``, then T positions more.
+
+    The step is cut into pieces at each layer whose experts run outside the graph (``split``: the
+    target's, whose executor reads the routing and fetches the misses); the draft's experts are all
+    resident and grouped (no read), so its step is one piece. Each piece is captured once per token
+    count (and again when the cache's buffers move) and replayed; between pieces the experts run
+    eagerly and their output is copied into the next piece's input buffer.
+
+    Args:
+        lean: a fused ``LeanStep`` of the model (every routed layer's projections fused).
+        cache: the static cache every step of this model writes (its buffers are the graphs').
+        capture: replay CUDA graphs; False runs the same pieces eagerly (a CPU).
+        split: run each routed layer's experts between pieces (the target) rather than inside them.
+    """
+
+    def __init__(self, lean: Any, cache: StaticKV, capture: bool, split: bool = False):
+        if lean.fused is None:
+            raise ValueError("lean: a graphed step needs a fused LeanStep (its routers run inline)")
+        if split and any(f.routed and f.projection is None for f in lean.fused):
+            raise ValueError("lean: a split graphed step needs every routed layer's projections fused (no biases)")
+        self.lean, self.cache, self.capture = lean, cache, capture
+        self.splits = [i for i, f in enumerate(lean.fused) if split and f.routed]
+        self.pieces: dict[int, _Pieces] = {}
+        self.captures = 0
+        self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
+
+    @property
+    def routing(self) -> Routing:
+        return dict(self.lean.routing())
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cache, tokens = self.cache, input_ids.shape[1]
+        cache.reserve(cache.length + tokens)
+        cache.position.fill_(cache.length)
+        pieces = self.pieces.setdefault(tokens, _Pieces(tokens, cache.device))
+        pieces.ids.copy_(input_ids, non_blocking=True)
+        if self.capture and pieces.version != cache.version:
+            try:
+                self._capture(pieces)
+            except RuntimeError as exc:  # an op that cannot be captured here: run the same pieces eagerly
+                log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc)
+                self.capture, self.failure = False, f"{type(exc).__name__}: {exc}"
+                pieces.moe = []
+        for i in range(len(self.splits) + 1):
+            if self.capture:
+                pieces.graphs[i].replay()
+            else:
+                self._piece(pieces, i)
+            if i < len(self.splits):
+                self._experts(pieces, i)
+        if self.capture:  # the routers' outputs are the graphs'
+            for fused, routing in zip(self.lean.fused, pieces.routing, strict=True):
+                fused.routing = routing
+        cache.length += tokens
+        return pieces.logits.clone() if self.capture else pieces.logits  # the next replay overwrites the graph's
+
+    def _piece(self, p: _Pieces, i: int) -> None:
+        """Piece ``i``: from the experts' output of split ``i - 1`` (or the token embedding) through the
+        attention and router of split ``i``'s layer (or to the logits)."""
+        lean = self.lean
+        if i == 0:
+            p.positions = self.cache.position + p.steps
+            p.mask = (self.cache.slots[None, :] <= p.positions[:, None])[None, None]
+            hidden = lean.inner.embed_tokens(p.ids)
+            p.cos, p.sin = lean.rotary(hidden, p.positions[None])
+            start = 0
+        else:
+            layer = self.splits[i - 1]
+            out = lean.fused[layer].combine(lean.layers[layer].mlp, p.moe[i - 1], p.routes[i - 1][4])
+            hidden, start = out.view(1, *out.shape), layer + 1
+        self.cache.static, self.cache.write_at = True, p.positions
+        try:
+            for j in range(start, len(lean.layers)):
+                layer, fused = lean.layers[j], lean.fused[j]
+                x = _rms(layer.input_layernorm, hidden)
+                hidden = fused.attention(layer.self_attn, x, p.cos, p.sin, p.mask, self.cache, hidden)
+                x = _rms(layer.post_attention_layernorm, hidden)
+                if j in self.splits:
+                    flat, ids, weights, projected = fused.route(x)
+                    route = (flat, ids, weights, hidden.view(flat.shape), projected)
+                    if len(p.routes) > i:
+                        p.routes[i] = route
+                    else:
+                        p.routes.append(route)
+                    return
+                hidden = fused.mlp(layer.mlp, x, hidden)
+            p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
+        finally:
+            self.cache.static = False
+
+    def _experts(self, p: _Pieces, i: int) -> None:
+        """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input."""
+        flat, ids, weights, residual, _ = p.routes[i]
+        out = _experts_with_residual(self.lean.layers[self.splits[i]].mlp.experts, flat, ids, weights, residual)
+        if not self.capture:
+            if len(p.moe) > i:
+                p.moe[i] = out
+            else:
+                p.moe.append(out)
+            return
+        p.moe[i].copy_(out)
+
+    def _capture(self, p: _Pieces) -> None:
+        """Warm up on a side stream (kernel choices, workspaces, lazily made buffers), then capture
+        every piece into one memory pool, in the order they replay.
+
+        The warm-up writes keys and values at the positions the step writes anyway, so nothing held
+        is touched; its experts' inputs are whatever the buffers hold (their output is not used)."""
+        p.graphs = []
+        hidden = self.lean.inner.embed_tokens.weight
+        p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(len(self.splits) + 1):
+                self._piece(p, i)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for i in range(len(self.splits) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._piece(p, i)
+            p.graphs.append(graph)
+        p.routing = [f.routing for f in self.lean.fused]
+        p.version = self.cache.version
+        self.captures += 1
+        log.info("%d tokens' step captured as %d CUDA graphs (cache capacity %d)", p.ids.shape[1], len(p.graphs),
+                 self.cache.capacity)

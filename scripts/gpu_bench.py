@@ -10,7 +10,9 @@ repeat, prompts differing per repeat), with medians over ``--repeats``:
 
 * ``transformers``: transformers' own ``generate``, every expert resident;
 * ``engine``: Specter's engine, every expert resident (budget 1.0, demand-lru);
-* ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %).
+* ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %);
+* ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
+  steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target.
 
 Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / drafted per round,
 hit rate, link busy share, host reads per MoE layer per token. Per shape also the draft's one-token
@@ -110,8 +112,9 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     build_synthetic(shape, folder / "target", layers=layers, gain=gain, shrink=SMOKE_SHRINK[shape] if args.smoke else 1,
                     dtype=dtype, device=device)
     quantize_model(str(folder / "target"), str(folder / "draft"), method="rtn", progress=False)
-    settings = [("transformers", 1.0), ("engine", 1.0)]
+    settings = [("transformers", 1.0), ("engine", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
+    settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
     gen = torch.Generator().manual_seed(0)
     runner = Runner(folder, device, dtype, cuda)
@@ -165,6 +168,18 @@ class Runner:
         self.folder, self.device, self.dtype = folder, device, dtype
         self.link = LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=2e9, latency=10e-6)
         self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype)
+        self.eager_draft: Any = None
+
+    def _draft(self, eager: bool) -> Any:
+        """The draft (its steps graphed where the device allows), or its eager twin for ``-eager`` rows."""
+        if not eager:
+            return self.draft
+        if self.eager_draft is None:
+            from specter.draft.runner import DraftModel
+
+            self.eager_draft = DraftModel.load(self.folder / "draft", device=self.device, mode="dequant-cache",
+                                               dtype=self.dtype, step="eager")
+        return self.eager_draft
 
     def run(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
         if policy == "transformers":
@@ -173,18 +188,24 @@ class Runner:
         from specter.engine import Engine
         from specter.target import OffloadedTarget
 
+        eager = policy.endswith("-eager")  # the lean steps without graphs (a CPU's default), for the ratio
+        policy = policy.removesuffix("-eager")
         name = "demand-lru" if policy == "engine" else policy
         target = OffloadedTarget.load(self.folder / "target", SlotConfig(fraction=budget), self.link, name,
-                                      device=self.device, dtype=self.dtype)
+                                      device=self.device, dtype=self.dtype, step="eager" if eager else "auto")
         try:
             window = SPECULATIVE.get(policy, 0)
-            engine = Engine(target, self.draft if window else None, window=window)
+            engine = Engine(target, self._draft(eager) if window else None, window=window)
             engine.generate_fresh(prompt, 2)  # warm-up: kernels chosen, caches allocated
             tokens, stats = engine.generate_fresh(prompt, new_tokens)
             layers = len(target.loaded.moe_layers)
+            graphs = target.graphed.captures if target.graphed is not None else 0
+            failure = target.graphed.failure if target.graphed is not None else None
         finally:
             target.close()
-        return {"tpot_ms": stats.tpot_s * 1e3, "tokens": tokens, "hit_rate": stats.hit_rate,
+        if failure:
+            print(f"gpu_bench: {policy}: CUDA graph capture failed: {failure}", file=sys.stderr, flush=True)
+        return {"tpot_ms": stats.tpot_s * 1e3, "tokens": tokens, "hit_rate": stats.hit_rate, "graphs": graphs,
                 "accepted": stats.extra.get("mean_accepted", 0.0), "window": stats.extra.get("mean_window", 0.0),
                 "link_busy": stats.link_busy_fraction,
                 "reads_per_layer_token": stats.extra["host_reads"] / max(1, (len(tokens) - 1) * layers)}
@@ -215,7 +236,8 @@ class Runner:
             torch.cuda.synchronize()
 
     def close(self) -> None:
-        getattr(self.draft, "close", lambda: None)()
+        for draft in (self.draft, self.eager_draft):
+            getattr(draft, "close", lambda: None)()
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -25,7 +25,9 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         block = results["shapes"][shape]
         assert "error" not in block, block.get("trace")
         names = {f"{p}@{b}" for b in ("0.25", "0.5") for p in ("demand-lru", "specter-paper", "specter")}
-        assert set(block["summary"]) == names | {"transformers@1", "engine@1"}
+        eager = {"engine-eager@1", "demand-lru-eager@0.25", "specter-eager@0.25"}
+        assert set(block["summary"]) == names | eager | {"transformers@1", "engine@1"}
+        assert set(block["draft_step"]) == {"eager", "static"} and block["draft_step"]["static"]["ms"] > 0
         reference = block["runs"]["transformers@1"][0]["tokens"]
         for name, runs in block["runs"].items():
             assert runs[0]["tokens"] == reference, name  # fp32 on a CPU: token-identical

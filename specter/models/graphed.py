@@ -36,6 +36,7 @@ from specter.models.routing import Routing
 
 log = logging.getLogger(__name__)
 STEP_MODES = ("auto", "graph", "static", "eager")  # how a model's steps after the prompt run (see load())
+CAPTURE_AFTER = 2  # a token count's pieces are captured on its second step (a count seen once runs eagerly)
 
 
 class StaticKV:
@@ -149,6 +150,7 @@ class _Pieces:
         self.graphs: list[Any] = []
         self.routing: list[Any] = []  # each fused layer's routing tensors as the graphs left them
         self.version = -1
+        self.calls = 0
 
 
 class GraphedStep:
@@ -188,25 +190,26 @@ class GraphedStep:
         cache.position.fill_(cache.length)
         pieces = self.pieces.setdefault(tokens, _Pieces(tokens, cache.device))
         pieces.ids.copy_(input_ids, non_blocking=True)
-        if self.capture and pieces.version != cache.version:
+        pieces.calls += 1
+        graphed = self.capture and pieces.calls >= CAPTURE_AFTER
+        if graphed and pieces.version != cache.version:
             try:
                 self._capture(pieces)
             except RuntimeError as exc:  # an op that cannot be captured here: run the same pieces eagerly
                 log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc)
-                self.capture, self.failure = False, f"{type(exc).__name__}: {exc}"
-                pieces.moe = []
+                self.capture, self.failure, graphed = False, f"{type(exc).__name__}: {exc}", False
         for i in range(len(self.splits) + 1):
-            if self.capture:
+            if graphed:
                 pieces.graphs[i].replay()
             else:
                 self._piece(pieces, i)
             if i < len(self.splits):
-                self._experts(pieces, i)
-        if self.capture:  # the routers' outputs are the graphs'
+                self._experts(pieces, i, graphed)
+        if graphed:  # the routers' outputs are the graphs'
             for fused, routing in zip(self.lean.fused, pieces.routing, strict=True):
                 fused.routing = routing
         cache.length += tokens
-        return pieces.logits.clone() if self.capture else pieces.logits  # the next replay overwrites the graph's
+        return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
 
     def _piece(self, p: _Pieces, i: int) -> None:
         """Piece ``i``: from the experts' output of split ``i - 1`` (or the token embedding) through the
@@ -242,39 +245,44 @@ class GraphedStep:
         finally:
             self.cache.static = False
 
-    def _experts(self, p: _Pieces, i: int) -> None:
+    def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:
         """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input."""
         flat, ids, weights, residual, _ = p.routes[i]
         out = _experts_with_residual(self.lean.layers[self.splits[i]].mlp.experts, flat, ids, weights, residual)
-        if not self.capture:
-            if len(p.moe) > i:
-                p.moe[i] = out
-            else:
-                p.moe.append(out)
-            return
-        p.moe[i].copy_(out)
+        if graphed:  # into the buffer the next piece's graph reads
+            p.moe[i].copy_(out)
+        elif len(p.moe) > i:
+            p.moe[i] = out
+        else:
+            p.moe.append(out)
 
     def _capture(self, p: _Pieces) -> None:
         """Warm up on a side stream (kernel choices, workspaces, lazily made buffers), then capture
         every piece into one memory pool, in the order they replay.
 
         The warm-up writes keys and values at the positions the step writes anyway, so nothing held
-        is touched; its experts' inputs are whatever the buffers hold (their output is not used)."""
+        is touched; its experts' inputs are whatever the buffers hold (their output is not used).
+        Capturing is thread-local: the link's thread goes on copying meanwhile. ``torch.cuda.graph``'s
+        own entry (a device sync, a garbage collection, emptying the cache) is skipped: a capture
+        per token count would cost more than the steps it saves."""
         p.graphs = []
         hidden = self.lean.inner.embed_tokens.weight
         p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(side):
             for i in range(len(self.splits) + 1):
                 self._piece(p, i)
+            for i in range(len(self.splits) + 1):
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    self._piece(p, i)
+                finally:
+                    graph.capture_end()
+                p.graphs.append(graph)
         torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for i in range(len(self.splits) + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._piece(p, i)
-            p.graphs.append(graph)
         p.routing = [f.routing for f in self.lean.fused]
         p.version = self.cache.version
         self.captures += 1

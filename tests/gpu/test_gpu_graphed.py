@@ -42,4 +42,6 @@ def test_the_graphed_draft_step_computes_the_eager_step() -> None:
         for layer, (ids_want, _) in want_routing.items():
             assert torch.equal(got_routing[layer][0], ids_want), layer
         assert graphed.last_token == eager.last_token
-    assert graphed.graphed.captures == 2 and graphed.graphed.cache.capacity == 32
+    # captured on a token count's second step: T 1 at capacity 16, T 1 again at 32, then T 2
+    assert graphed.graphed.failure is None
+    assert graphed.graphed.captures == 3 and graphed.graphed.cache.capacity == 32

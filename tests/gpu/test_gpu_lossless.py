@@ -46,6 +46,7 @@ def test_every_policy_on_the_gpu_equals_transformers(model, policy: str) -> None
         target.close()
     assert list(tokens[:NEW]) == expected, policy
     assert stats.bytes_moved > 0  # the link ran
+    assert target.graphed is not None and target.graphed.failure is None and target.graphed.captures > 0
 
 
 @pytest.mark.parametrize("model", [DEFAULT_MODEL, COARSE_MODEL], ids=lambda m: m.name)

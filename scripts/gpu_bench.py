@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --smoke)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 32 (6 with --smoke)")
     parser.add_argument("--gain", type=float, default=None, help="override every shape's agreement knob")
+    parser.add_argument("--extra", default="",
+                        help="more policies (options allowed, e.g. specter+nohost) run at the first budget")
     parser.add_argument("--models", default=None,
                         help="folder for the synthetic checkpoints (default: a temporary one, removed at the end; "
                              "never under --out, whose files travel back from a device)")
@@ -64,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.smoke:
         parser.error("no CUDA device: run with --smoke on a CPU")
     shapes = [s for s in args.shapes.split(",") if s]
+    from specter.plan import policy_class
+
+    for policy in (p for p in args.extra.split(",") if p):
+        try:
+            policy_class(policy)
+        except ValueError as exc:
+            parser.error(f"--extra: {exc}")
     unknown = [s for s in shapes if s not in DEVICE_SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(DEVICE_SHAPES)}")
@@ -115,6 +124,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
+    settings += [(policy, budgets[0]) for policy in args.extra.split(",") if policy]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
     gen = torch.Generator().manual_seed(0)
     runner = Runner(folder, device, dtype, cuda)
@@ -194,7 +204,7 @@ class Runner:
         target = OffloadedTarget.load(self.folder / "target", SlotConfig(fraction=budget), self.link, name,
                                       device=self.device, dtype=self.dtype, step="eager" if eager else "auto")
         try:
-            window = SPECULATIVE.get(policy, 0)
+            window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, self._draft(eager) if window else None, window=window)
             engine.generate_fresh(prompt, 2)  # warm-up: kernels chosen, caches allocated
             tokens, stats = engine.generate_fresh(prompt, new_tokens)

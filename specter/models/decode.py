@@ -246,8 +246,11 @@ class _Fused:
         qk = qk.transpose(1, 2)
         qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # ``sin`` signed: see ``LeanStep.__call__``
         k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
-        out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
-                                        scaling=attention.scaling)
+        if getattr(cache, "static", False):  # a graphed piece: ``mask`` is an additive bias (T, capacity)
+            out = masked_attention(qk[:, : self.q_heads], k, v, mask, attention.scaling)
+        else:
+            out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
+                                            scaling=attention.scaling)
         out = out.reshape(tokens, -1)
         if attention.o_proj.bias is not None:
             return residual + F.linear(out, attention.o_proj.weight, attention.o_proj.bias).view(residual.shape)
@@ -286,6 +289,25 @@ class _Fused:
         shared_out = F.linear(shared.act_fn(gate) * up, shared.down_proj.weight)
         score = projected[:, start + 2 * self.inter :]
         return torch.addcmul(out, torch.sigmoid(score), shared_out)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """Attention as plain matmuls: ``q`` (1, H, T, d) over ``k``, ``v`` (1, H_kv, S, d) plus ``bias`` (T, S),
+    added to the scores in fp32 (``-inf`` masks a key); returns (1, T, H, d).
+
+    The graphed pieces' attention (``models/graphed.py``): the H200 refused to capture SDPA's path for
+    a masked, grouped-query step in fp32 (a host-made scalar copied in mid-capture), and a decode
+    step's attention over a cache of a few hundred positions is a few small matmuls anyway. A query
+    head ``i`` reads key head ``i // (H / H_kv)``, as transformers' ``repeat_kv`` arranges, without
+    repeating the keys."""
+    _, heads, tokens, dim = q.shape
+    groups = heads // k.shape[1]
+    scores = torch.matmul(q.reshape(1, k.shape[1], groups * tokens, dim), k.transpose(-1, -2)).float() * scaling
+    if bias is not None:
+        scores = scores + bias.repeat(groups, 1)
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    return out.view(1, heads, tokens, dim).transpose(1, 2)
 
 
 def _experts_with_residual(

@@ -26,6 +26,7 @@ per request, and its shapes differ every time.
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 import torch
@@ -196,8 +197,8 @@ class GraphedStep:
             try:
                 self._capture(pieces)
             except RuntimeError as exc:  # an op that cannot be captured here: run the same pieces eagerly
-                log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc)
-                self.capture, self.failure, graphed = False, f"{type(exc).__name__}: {exc}", False
+                log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc, exc_info=True)
+                self.capture, self.failure, graphed = False, traceback.format_exc(), False
         for i in range(len(self.splits) + 1):
             if graphed:
                 pieces.graphs[i].replay()
@@ -217,7 +218,8 @@ class GraphedStep:
         lean = self.lean
         if i == 0:
             p.positions = self.cache.position + p.steps
-            p.mask = (self.cache.slots[None, :] <= p.positions[:, None])[None, None]
+            ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
+            p.mask = torch.zeros(ahead.shape, device=ahead.device).masked_fill_(ahead, float("-inf"))
             hidden = lean.inner.embed_tokens(p.ids)
             p.cos, p.sin = lean.rotary(hidden, p.positions[None])
             start = 0

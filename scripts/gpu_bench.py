@@ -92,8 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     models = Path(args.models) if args.models else Path(scratch.name)
     for shape in shapes:
         t0 = time.perf_counter()
+        def save(block: dict[str, Any], shape: str = shape) -> None:  # after every repeat: a timeout keeps them
+            results["shapes"][shape] = block
+            (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+            (out / "gpu_bench.md").write_text(markdown(results))
+
         try:
-            results["shapes"][shape] = bench_shape(shape, models, budgets, repeats, new_tokens, args, cuda)
+            results["shapes"][shape] = bench_shape(shape, models, budgets, repeats, new_tokens, args, cuda, save)
         except Exception as exc:  # one shape failing leaves the others' figures
             results["shapes"][shape] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         results["shapes"][shape]["seconds"] = round(time.perf_counter() - t0, 1)
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, new_tokens: int,
-                args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+                args: argparse.Namespace, cuda: bool, save: Any = None) -> dict[str, Any]:
+    """One shape's settings, interleaved over ``repeats``; ``save`` gets the figures so far after each."""
     from specter.draft.quantize.model import quantize_model
     from specter.eval.synthetic import build_synthetic
 
@@ -129,20 +135,28 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     gen = torch.Generator().manual_seed(0)
     runner = Runner(folder, device, dtype, cuda)
     try:
-        for _ in range(repeats):
+        for repeat in range(repeats):
             prompt = torch.randint(0, 4096, (16,), generator=gen).tolist()
             for policy, budget in settings:  # interleaved: each setting once per repeat
                 runs[f"{policy}@{budget:g}"].append(runner.run(policy, budget, prompt, new_tokens))
+            if save is not None:
+                save({**block(layers, gain, dtype, runs, {}), "repeats_done": repeat + 1})
     finally:
         runner.close()
     steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens)
              for mode in ("eager", "graph" if cuda else "static")}
-    summary = {name: summarize(rows) for name, rows in runs.items()}
+    return block(layers, gain, dtype, runs, steps)
+
+
+def block(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, list[dict[str, Any]]],
+          steps: dict[str, float]) -> dict[str, Any]:
+    """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times."""
+    summary = {name: summarize(rows) for name, rows in runs.items() if rows}
     for name, row in summary.items():
         base = summary.get(f"demand-lru@{name.split('@')[1]}")
         if base is not None and base["tpot_ms"] and row["tpot_ms"]:
             row["vs_demand_lru"] = round(base["tpot_ms"] / row["tpot_ms"], 3)
-    resident = summary["engine@1"]["tpot_ms"]
+    resident = summary.get("engine@1", {}).get("tpot_ms")
     draft_step = {mode: {"ms": ms, "vs_target_step": round(ms / resident, 3) if resident else None}
                   for mode, ms in steps.items()}
     return {"layers": layers, "gain": gain, "dtype": str(dtype), "summary": summary, "draft_step": draft_step,

@@ -160,8 +160,13 @@ def weighted_sum(pairs: torch.Tensor, weights: torch.Tensor, residual: torch.Ten
 
 
 def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``grouped_mm`` runs on ``device`` in ``dtype`` (tried once on a small case, then remembered)."""
+    """Whether ``grouped_mm`` runs on ``device`` in ``dtype`` (tried once on a small case, then remembered).
+
+    On CUDA only bf16 counts: the H200 (torch 2.11) ran fp32 through a fallback that copies the group
+    offsets to the host — a sync per call, and a CUDA graph cannot capture it."""
     key = (device.type, dtype)
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        return False
     if key not in _GROUPED_OK:
         try:
             x = torch.zeros(2, 8, device=device, dtype=dtype)

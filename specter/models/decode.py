@@ -296,11 +296,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     """Attention as plain matmuls: ``q`` (1, H, T, d) over ``k``, ``v`` (1, H_kv, S, d) plus ``bias`` (T, S),
     added to the scores in fp32 (``-inf`` masks a key); returns (1, T, H, d).
 
-    The graphed pieces' attention (``models/graphed.py``): the H200 refused to capture SDPA's path for
-    a masked, grouped-query step in fp32 (a host-made scalar copied in mid-capture), and a decode
-    step's attention over a cache of a few hundred positions is a few small matmuls anyway. A query
-    head ``i`` reads key head ``i // (H / H_kv)``, as transformers' ``repeat_kv`` arranges, without
-    repeating the keys."""
+    The graphed pieces' attention (``models/graphed.py``): SDPA picks its kernel by dtype, mask and
+    head grouping (some of them fall back to its math path), while these matmuls are the same ops in
+    every case, and the H200 captured them in fp32 with grouped-query heads for every policy
+    (``tests/gpu``). A decode step's attention over a cache of a few hundred positions is a few small
+    matmuls anyway. A query head ``i`` reads key head ``i // (H / H_kv)``, as transformers'
+    ``repeat_kv`` arranges, without repeating the keys."""
     _, heads, tokens, dim = q.shape
     groups = heads // k.shape[1]
     scores = torch.matmul(q.reshape(1, k.shape[1], groups * tokens, dim), k.transpose(-1, -2)).float() * scaling

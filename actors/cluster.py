@@ -77,6 +77,14 @@ def attach(address: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
     host, port = _host_port(target)
     _probe(address, host, port, timeout_s)
     if os.environ.get("RAY_AUTH_MODE", "token") == "token":
+        # Ray aborts the process (a C++ check, no exception) where token mode finds no token, and a
+        # head without token authentication lets a driver with one connect and then kills its
+        # actors: both are told here, before Ray is asked anything with this driver's token.
+        if "://" not in target and not _head_checks_tokens(target):
+            raise ConnectError(_tokenless(address, target, "runs without token authentication"))
+        if not _token_found():
+            raise ConnectError(_tokenless(address, target, "needs a token and this driver has none (RAY_AUTH_TOKEN, "
+                                          "RAY_AUTH_TOKEN_PATH and ~/.ray/auth_token are unset or empty)"))
         _token_auth(os.environ.get("RAY_AUTH_TOKEN"))
     if "://" not in target:
         _check_token(address, target, timeout_s)
@@ -121,6 +129,41 @@ def _token_auth(token: str | None) -> None:
     # Ray caches both when it is imported: refresh them, as Ray's own ``ray.init`` does.
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _token_found() -> bool:
+    """Whether Ray would find a token for this driver where it looks (the environment, then files)."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return True
+    paths = [os.environ.get("RAY_AUTH_TOKEN_PATH", ""), os.path.expanduser("~/.ray/auth_token")]
+    return any(p and os.path.isfile(p) and os.path.getsize(p) > 0 for p in paths)
+
+
+def _head_checks_tokens(target: str) -> bool:
+    """Whether the head refuses a token that cannot be its own (a fresh random one): a head started
+    without token authentication takes any. Anything but a clean answer counts as checking (the
+    connection that follows reports it)."""
+    saved = os.environ.get("RAY_AUTH_TOKEN")
+    _token_auth(secrets.token_hex(32))
+    try:
+        GcsClient(address=target)
+    except Exception:  # AuthenticationError: it checks; anything else: ray.init reports it
+        return True
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = saved
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    return False
+
+
+def _tokenless(address: str, target: str, what: str) -> str:
+    given = target if address == target else f"{address} = {target}"
+    return (f"ray: the cluster at {given} {what}; Specter joins clusters with token authentication only. "
+            f"Start it with one (README, \"Through Ray actors\"): `ray stop`, `ray get-auth-token --generate && "
+            f"chmod 600 ~/.ray/auth_token`, then `RAY_AUTH_MODE=token ray start --head`")
 
 
 def _check_token(address: str, target: str, timeout_s: float) -> None:

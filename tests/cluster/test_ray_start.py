@@ -81,6 +81,43 @@ def test_a_driver_without_the_clusters_token_is_refused_in_bounded_time(head):
 
 
 @pytest.fixture()
+def plain_head(tmp_path):
+    """A plain `ray start --head`: no token authentication (Ray's default)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))  # no ~/.ray/auth_token either
+    subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
+                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
+                   capture_output=True, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("token", [False, True], ids=["no-token", "a-token"])
+def test_a_cluster_without_token_authentication_is_told_in_one_line(plain_head, tmp_path, token):
+    """Without a token Ray itself would abort the driver with a C++ check dump; with one it would join
+    and then lose its actors. Both end here with status 1 and the README's steps, for generate and batch."""
+    address, env = plain_head
+    if token:
+        env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "hi"}\n')
+    for command in (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")]):
+        proc = subprocess.run([sys.executable, "-m", "specter.cli", *command, "--address", address],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr and "Check failed" not in proc.stderr, \
+            proc.stderr[-2000:]
+        assert "runs without token authentication" in errors[0] and "RAY_AUTH_MODE=token ray start --head" in errors[0]
+        assert len(proc.stderr.splitlines()) <= 2  # batch says what it is about to run first
+
+
+@pytest.fixture()
 def head_with_dashboard():
     if ray.is_initialized():
         ray.shutdown()

@@ -1,238 +1,36 @@
-"""VerifierActor: the target's dense parts and the round; the schedule runs in the transfer actor.
+"""VerifierActor: the verifier role (``specter/remote/roles/verifier.py``) as a Ray actor.
 
-Its slot pool's storage is the transfer actor's ``SharedSlots``. By default (``schedule="transfer"``)
-the residency map and the policy live in the transfer actor (``specter/remote/scheduler.py``): this
-side tells it the round and, per MoE layer, what the pass needs (``ScheduledExperts``, through a
-``RemotePolicy``), and reads where each expert is from the shared index and the seq table. With
-``schedule="verifier"`` — and always for a policy that reads the target's hidden states
-(``gate-prefetch``) — the residency map and the policy are here and the link is a ``RemoteLink``
-(copy commands over ZeroMQ, readiness from the seq table). It maps the transfer actor's host store
-read-only, so a policy with host compute computes a late expert here, from the same blob, exactly
-as in process (``specter/remote/shared_store.py`` says why here and not in the transfer actor). With a draft actor, the engine's proposer
-is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
-stats; nothing per token crosses Ray.
+The role holds the target's dense parts and runs each request's rounds; this shell adds the process
+setup, Ray's metrics, and a concurrency group so that ``pid`` and ``progress`` answer while a request
+runs. ``specter/remote/processes.py`` runs the same role as a plain process.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from typing import Any
-
-import msgspec
 import ray
 
-from actors.common import DEVICE, compute_dtype, setup_process
 from actors.metrics import Recorder
-from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
-from specter.engine import Engine
-from specter.experts.slots import SlotPool
-from specter.experts.store import ExpertStore
-from specter.models.loader import LoadedModel, build_dense
-from specter.plan import make_policy
-from specter.plan.window import WindowChooser
-from specter.protocol import Shutdown, UsePolicy
-from specter.remote.channel import Channel
-from specter.remote.counters import SharedCounters
-from specter.remote.experts import RemoteExperts, ScheduledExperts
-from specter.remote.link import RemoteLink
-from specter.remote.policy import RemotePolicy
-from specter.remote.proposer import RemoteProposer
-from specter.remote.residency import SharedIndex
-from specter.remote.shared_store import SharedArena, store_name
-from specter.remote.shm import SharedSlots, SlotsHandle
-from specter.target import OffloadedTarget, slot_groups
-from specter.timing.profiles import simulated_host
+from specter.config import LinkConfig, SlotConfig
+from specter.remote.roles.base import setup_process
+from specter.remote.roles.verifier import PIPELINED, SCHEDULES, VerifierRole
 
-log = logging.getLogger(__name__)
-
-PIPELINED = True  # a request's default: see docs/actors.md, "Pipelined drafting"
-SCHEDULES = ("transfer", "verifier")  # where the policy's schedule runs
+__all__ = ["PIPELINED", "SCHEDULES", "VerifierActor"]
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
-class VerifierActor:
-    """The verify side of the engine.
-
-    Requests run one at a time; ``progress`` and ``pid`` answer from their own thread (the
-    ``control`` concurrency group) while a request runs.
-
-    Args:
-        model_dir: the target checkpoint.
-        budget: the device's expert budget.
-        policy: the policy name it starts with.
-        timeout_s: transfer, handshake and draft timeouts.
-        replica: the replica's name (metric tags).
-        link: the transfer actor's link (a simulated link's rate sets the simulated host's).
-        host_profile: the profile whose host computes late experts (None: the default, as in process).
-        schedule: where the policy's schedule runs: ``transfer`` (next to the copies; a policy that
-            reads the target's hidden states still runs here) or ``verifier``.
-    """
+class VerifierActor(VerifierRole):
+    """``VerifierRole`` with its figures in Ray's metrics (tagged ``replica``, ``actor=verifier``)."""
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = "",
                  link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer"):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         setup_process()
-        self.schedule = schedule
-        self.metrics = Recorder(replica, "verifier")
-        self.model_dir, self.budget, self.policy_name, self.timeout_s = model_dir, budget, policy, timeout_s
-        self.link_config, self.host_profile = link or LinkConfig(), host_profile
-        self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
-        self.target: OffloadedTarget | None = None
-        self.proposer: RemoteProposer | None = None
-        self.channels: list[Channel] = []
-        self._requests = 0  # requests started since the actor started
-        self._engine: Engine | None = None  # the running (or last) request's engine
-        # K choosers by (policy, pipelined): what a chooser measured survives a rebuild (the schedule
-        # moved) and is not mixed between the two modes (a round drafted ahead costs no drafting)
-        self._choosers: dict[tuple[str, bool], WindowChooser] = {}
-
-    def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None) -> int:
-        """Attach the shared slots, connect and handshake both channels, fill the initial slots.
-
-        Returns the number of slots.
-        """
-        handle = msgspec.json.decode(slots_json, type=SlotsHandle)
-        self.slots = SharedSlots.attach(handle)
-        self.counters = SharedCounters(handle.prefix, create=False)
-        loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
-        numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
-        self.arena = SharedArena.map_readonly(store_name(handle.prefix), numel, loaded.shape.dtype)
-        self.index = SharedIndex(handle.prefix, max(loaded.moe_layers) + 1, loaded.num_experts, create=False)
-        link_channel = Channel("push", transfer_endpoint, bind=False, peer="transfer", timeout_s=self.timeout_s)
-        self.channels.append(link_channel)
-        link_channel.handshake("verifier")
-        self.link = RemoteLink(link_channel, self.slots, self.counters, self.link_config)
-        if draft_endpoint:
-            draft_channel = Channel("pair", draft_endpoint, bind=False, peer="draft", timeout_s=self.timeout_s)
-            self.channels.append(draft_channel)
-            draft_channel.handshake("verifier")
-            self.proposer = RemoteProposer(draft_channel, self.timeout_s)
-        self._build(self.policy_name)
-        return self.slots.num_slots
-
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-        top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
-        eos_token_id: int | None = None, untimed_prefill: bool = False, pipelined: bool = PIPELINED,
-        schedule: str | None = None,
-    ) -> dict[str, Any]:
-        """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
-
-        ``pipelined``: the draft drafts each next round while this one is verified (``specter/engine.py``).
-        ``schedule``: where the policy's schedule runs from this request on (``transfer`` or
-        ``verifier``; None: as before). Its figures go to the replica's metrics; a request that
-        raises counts as an error.
-        """
-        if schedule is not None and schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
-        self.metrics.set("specter_queue_depth", 1)
-        self._requests += 1
-        try:
-            if schedule is not None and schedule != self.schedule:
-                self.schedule = schedule
-                self._build(self.policy_name)
-            out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
-                                 eos_token_id, untimed_prefill, pipelined)
-        except Exception:
-            self.metrics.inc("specter_request_errors")
-            raise
-        finally:
-            self.metrics.set("specter_queue_depth", 0)
-        self.metrics.request(out["stats"])
-        return out
+        super().__init__(model_dir, budget, policy, timeout_s, link, host_profile, schedule,
+                         Recorder(replica, "verifier"))
 
     @ray.method(concurrency_group="control")
-    def pid(self) -> int:
-        """This worker's process id (fault injection; answers while a request runs)."""
-        return os.getpid()
+    def pid(self) -> int:  # type: ignore[override]
+        return super().pid()
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> dict[str, int | bool]:
-        """Where the actor is: ``requests`` started so far, whether one is ``active``, and the tokens
-        ``committed`` by the running (or last) request. Answers while a request runs."""
-        engine = self._engine
-        return {"requests": self._requests, "active": engine is not None and engine.active,
-                "committed": engine.committed if engine is not None else 0}
-
-    def _generate(
-        self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-        window: int | None, policy: str | None, eos_token_id: int | None, untimed_prefill: bool, pipelined: bool,
-    ) -> dict[str, Any]:
-        if policy is not None and policy != self.policy_name:
-            self._build(policy)
-        assert self.target is not None, "connect() first"
-        policy_obj = self.target.offload.policy
-        k = policy_obj.default_window if window is None else window
-        if policy_obj.window_chooser() is not None:
-            key = (self.policy_name, pipelined)
-            if key not in self._choosers:
-                self._choosers[key] = policy_obj.new_window_chooser()
-            policy_obj.use_window_chooser(self._choosers[key])
-        if k and self.proposer is None:
-            raise ValueError(f"window: K = {k} needs a draft actor; this engine was launched without a draft")
-        engine = Engine(self.target, window=k, proposer=self.proposer if k else None, untimed_prefill=untimed_prefill,
-                        pipelined=pipelined)
-        self._engine = engine
-        sampling = SamplingConfig(temperature, top_p, top_k, seed)
-        tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id)
-        return {"tokens": tokens, "stats": stats.to_dict()}
-
-    def close(self) -> None:
-        """Tell the peers to stop, close the sockets and unmap the shared memory."""
-        for channel in self.channels:
-            try:
-                channel.send(Shutdown("verifier closing"), timeout_s=1.0)
-            except Exception as exc:  # a peer already gone: nothing more to tell it
-                log.info("verifier: %s", exc)
-            channel.close()
-        if self.target is not None:
-            self.target.close()
-        if hasattr(self, "slots"):
-            self.slots.close()
-            self.counters.close()
-            self.index.close()
-        if hasattr(self, "arena"):
-            self.target = None  # its store's blob views hold the mapping
-            self.arena.close()
-
-    def _host(self, loaded: LoadedModel) -> HostConfig | None:
-        """The host beside the link, as the in-process engine gets it (the GPU path's is not done yet)."""
-        if self.link_config.kind != "sim":
-            return None
-        shape = loaded.shape
-        return simulated_host(self.link_config.bandwidth, self.link_config.latency, shape.nbytes, 2 * shape.numel,
-                              self.host_profile)
-
-    def _build(self, policy: str) -> None:
-        """A fresh offloaded target for ``policy`` (a policy may hook the model: reload the dense
-        parts); in-flight transfers of the old pool land first so that none overwrites a new slot."""
-        remote = self.schedule == "transfer" and not make_policy(policy).needs_model
-        if self.target is not None:
-            old = self.target.offload
-            for key in old.pool.loading_keys():
-                old.wait(key)
-            if isinstance(old, ScheduledExperts) and not remote:
-                self.link.channel.send(UsePolicy(""))  # the transfer actor stops scheduling
-        loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
-        self._loaded = None
-        groups = slot_groups(self.budget, loaded)
-        if (count := sum(groups.values())) != self.slots.num_slots:
-            raise RuntimeError(f"slots: the verifier sizes {count} slots, the transfer actor {self.slots.num_slots}")
-        pool = SlotPool(loaded.shape, groups, DEVICE, storage=self.slots.storage)
-        store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, arena=self.arena.tensor)
-        offload: RemoteExperts | ScheduledExperts
-        if remote:
-            wire = self.proposer.wire_id if self.proposer is not None else None
-            stand_in = RemotePolicy(make_policy(policy), self.link.channel, wire)
-            offload = ScheduledExperts(store, pool, self.link, stand_in, self.index, policy, self.host_profile,
-                                       timeout=self.timeout_s)
-        else:
-            offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
-        offload.set_host(self._host(loaded))
-        offload.prefill_slots()
-        self.target = OffloadedTarget(loaded, offload, DEVICE)
-        self.policy_name = policy
-        log.info("verifier: policy %s, %d slots over %s, scheduled in the %s", policy, pool.num_slots,
-                 self.link.describe(), "transfer actor" if remote else "verifier")
+    def progress(self) -> dict[str, int | bool]:  # type: ignore[override]
+        return super().progress()

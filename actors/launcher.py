@@ -26,8 +26,8 @@ from actors.verifier import VerifierActor
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.checkpoint import read_config_dict
-from specter.remote.endpoints import endpoint
 from specter.remote.segments import unlink_prefix
+from specter.remote.wiring import seal, wire
 
 log = logging.getLogger(__name__)
 
@@ -148,14 +148,18 @@ def launch(
     handle = EngineHandle(replica, pg, transfer, verifier, draft_actor, prefix, "", policy,
                           [f"specter-{replica}-{r}" for r in roles])
     try:
-        _wire(handle, timeout_s, startup_timeout_s)
+        handle.ipc_dir, slots = wire(_ray_call, handle.transfer, handle.verifier, handle.draft, startup_timeout_s)
+        log.info("replica %s: %d slots, actors %s", handle.replica, slots, ", ".join(handle.names))
         if sealed:
-            peers = ("verifier", "draft") if handle.draft is not None else ("verifier",)
-            ray.get(handle.transfer.seal.remote(startup_timeout_s, peers), timeout=startup_timeout_s + 10)
+            seal(_ray_call, handle.transfer, handle.draft is not None, startup_timeout_s)
     except BaseException:
         handle.shutdown()
         raise
     return handle
+
+
+def _ray_call(actor: Any, method: str, *args: Any, timeout: float) -> Any:
+    return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
 
 
 def _reserve(replica: str, count: int, bundle: dict[str, float], timeout_s: float) -> Any:
@@ -169,19 +173,3 @@ def _reserve(replica: str, count: int, bundle: dict[str, float], timeout_s: floa
             f"replica {replica}: no node has room for {count} x {bundle} within {timeout_s:.0f}s"
         ) from None
     return pg
-
-
-def _wire(handle: EngineHandle, timeout_s: float, startup_s: float) -> None:
-    """Shared memory and sockets: transfer binds, draft binds, verifier connects and handshakes."""
-    info = ray.get(handle.transfer.info.remote(), timeout=startup_s)
-    handle.ipc_dir = info["ipc_dir"]
-    ray.get(handle.transfer.start.remote(startup_s), timeout=startup_s)
-    draft_endpoint = None
-    if handle.draft is not None:
-        wanted = endpoint("ipc", "draft", directory=info["ipc_dir"])
-        draft_endpoint = ray.get(handle.draft.bind.remote(wanted, startup_s), timeout=startup_s)
-        ray.get(handle.draft.connect_plans.remote(info["endpoint"]), timeout=startup_s)
-    slots = ray.get(
-        handle.verifier.connect.remote(info["slots"], info["endpoint"], draft_endpoint), timeout=startup_s
-    )
-    log.info("replica %s: %d slots, actors %s", handle.replica, slots, ", ".join(handle.names))

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=None,
                      help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "
                           "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
+    gen.add_argument("--processes", action="store_true",
+                     help="run the three roles as plain processes on this machine, without Ray (the actors' "
+                          "code over the same sockets and shared memory)")
     _add_pipeline(gen)
     gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")

@@ -34,15 +34,15 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
         if profile is not None and profile != link:
             parser.error(f"argument --link: names profile {link!r} but --profile is {profile!r}")
         profile, link = link, None
-    if getattr(args, "address", None) is not None and clock != "wall":
+    through_actors = getattr(args, "address", None) is not None or getattr(args, "processes", False)
+    if through_actors and clock != "wall":
         parser.error(f"argument --clock: the actors run on the wall clock; {clock!r} is in process only")
-    if getattr(args, "address", None) is not None and rho is not None:
+    if through_actors and rho is not None:
         parser.error("argument --rho: not available through the actors yet; use --link sim:GBPS")
     if link is not None and rho is not None:
         parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
     if rho is not None and profile is None and clock not in ("virtual", "as-built"):
         parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
-    through_actors = getattr(args, "address", None) is not None
     if through_actors and isinstance(link, LinkConfig) and link.kind == "cuda":
         parser.error("argument --link: the transfer actor moves experts over a simulated link only so far "
                      "(sim:GBPS or a profile); cuda runs in process")
@@ -137,9 +137,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     window = _window(args, parser)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: must not be empty")
-    if args.address is not None and args.device_memory is not None:
-        parser.error("argument --device-memory: not available with --address yet; use --budget")
-    if args.address is None:
+    if args.processes and args.address is not None:
+        parser.error("argument --processes: runs without Ray; give it or --address, not both")
+    if (args.address is not None or args.processes) and args.device_memory is not None:
+        parser.error("argument --device-memory: not available with --address or --processes yet; use --budget")
+    if args.address is None and not args.processes:
         torch.set_num_threads(compute_threads(args.threads))
     cuda = torch.cuda.is_available() and args.device != "cpu"
     timing = _timing(args, parser, cuda)
@@ -149,7 +151,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     budget = None
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
-    run = _through_actors if args.address is not None else _in_process
+    run = _through_processes if args.processes else _through_actors if args.address is not None else _in_process
     tokens, text, stats = run(args, parser, timing, budget, window, sampling)
     if args.json:
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))
@@ -158,7 +160,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
     if stats.get("pipelined"):
         spec += f", pipelined: {stats['ahead_kept']}/{stats['ahead_asked']} rounds drafted ahead stood"
-    where = f" via actors at {args.address}" if args.address else ""
+    where = f" via actors at {args.address}" if args.address else " via processes" if args.processes else ""
     print(
         f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms "
         f"({stats.get('clock', 'wall')} clock), hit rate "
@@ -229,6 +231,24 @@ def _through_actors(args, parser, timing, budget, window, sampling):  # type: ig
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
                               window=window, eos_token_id=_eos(args.model), pipelined=args.pipeline)[0]
     return out["tokens"], out["text"], out["stats"]
+
+
+def _through_processes(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
+    """The three roles as plain processes (``specter/remote/processes.py``), no Ray."""
+    from specter.remote.processes import launch_processes
+    from specter.target import load_tokenizer
+
+    config = read_config_dict(resolve_model_dir(args.model))
+    with launch_processes(args.model, args.draft, budget or SlotConfig(fraction=0.5), timing.link, args.policy,
+                          host_profile=timing.profile) as engine:
+        tokenizer = load_tokenizer(resolve_model_dir(args.model))
+        prompt_ids = _prompt_ids(args, parser, tokenizer, int(config["vocab_size"]))
+        options = {} if args.pipeline is None else {"pipelined": args.pipeline}
+        out = engine.generate(prompt_ids, args.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k, seed=sampling.seed, policy=args.policy, window=window,
+                              eos_token_id=_eos(args.model), **options)
+    text = str(tokenizer.decode(out["tokens"])) if tokenizer is not None else ""
+    return out["tokens"], text, out["stats"]
 
 
 def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,0 +1,263 @@
+"""An engine replica's three roles as plain processes, without Ray (``specter generate --processes``).
+
+Ray cannot travel to every machine (its wheel is larger than what a lent GPU machine takes), and a
+user may want the three processes without a cluster. Each role (``specter/remote/roles/``) runs in a
+process of its own, started with ``multiprocessing``'s spawn context (a fresh interpreter, as a Ray
+worker is) and built from its arguments there; the driver calls its control methods over a pipe —
+``RoleProcess.call``: the method's name and arguments out, its result or its exception back. Between
+the roles everything is as under Ray: ZeroMQ sockets and shared memory, wired and sealed by the same
+code (``wiring.py``).
+
+While a call waits, the driver watches the other roles' processes: one that ends (killed, crashed)
+is reported at once as ``RoleGone``, naming the role, its pid and how it ended, and ``shutdown``
+stops what is left (a role that does not answer ``close`` within its time is terminated, then
+killed) and sweeps the replica's shared memory and ipc directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import secrets
+import shutil
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import import_module
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from specter.config import LinkConfig, SlotConfig
+from specter.draft.loading import check_draft_matches
+from specter.models.checkpoint import read_config_dict
+from specter.remote.segments import unlink_prefix
+from specter.remote.wiring import seal, wire
+
+log = logging.getLogger(__name__)
+
+ROLES = {"transfer": "specter.remote.roles.transfer.TransferRole",
+         "verifier": "specter.remote.roles.verifier.VerifierRole",
+         "draft": "specter.remote.roles.draft.DraftRole"}
+_POLL_S = 0.05  # how often a waiting call looks at the other processes
+
+
+class RoleGone(ConnectionError):
+    """A role's process ended while the replica was in use."""
+
+
+class RoleError(RuntimeError):
+    """A role's method raised an exception that could not be sent back as itself."""
+
+
+class RoleProcess:
+    """One role in a process of its own, called over a pipe.
+
+    Args:
+        role: ``transfer`` | ``verifier`` | ``draft``.
+        args, kwargs: the role's constructor arguments (built in the child).
+    """
+
+    def __init__(self, role: str, *args: Any, **kwargs: Any):
+        if role not in ROLES:
+            raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
+        context = multiprocessing.get_context("spawn")
+        self.role = role
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(ROLES[role], args, kwargs, child),
+                                       name=f"specter-{role}", daemon=True)
+        self.process.start()
+        child.close()
+        self.lock = threading.Lock()
+        self.pid = self.process.pid
+
+    def ready(self, timeout_s: float, watch: Sequence[RoleProcess] = ()) -> None:
+        """Wait until the role is built (loading a model takes a while)."""
+        kind, value = self._receive(timeout_s, watch, "start")
+        if kind != "ready":
+            raise RoleError(f"{self.role} process could not start: {value}")
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, watch: Sequence[RoleProcess] = (),
+             **kwargs: Any) -> Any:
+        """``role.method(*args, **kwargs)`` in the process; its exception is raised here."""
+        with self.lock:
+            try:
+                self.conn.send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                raise self._gone(f"before {method}") from None
+            kind, value = self._receive(timeout, watch, method)
+        if kind == "ok":
+            return value
+        if isinstance(value, BaseException):
+            raise value
+        raise RoleError(f"{self.role}.{method}: {value}")
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self, timeout_s: float) -> None:
+        """``close`` the role and end the process (terminated, then killed, if it does not end in time)."""
+        if self.alive():
+            try:
+                self.call("close", timeout=timeout_s)
+            except Exception as exc:  # busy, gone or failing: ended below all the same
+                log.info("%s: close: %s", self.role, exc)
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self.conn.send(None)
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2.0)
+        self.conn.close()
+
+    def _receive(self, timeout_s: float | None, watch: Sequence[RoleProcess], what: str) -> tuple[str, Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.conn.poll(_POLL_S):
+            if not self.alive():
+                raise self._gone(f"during {what}")
+            for other in watch:
+                if not other.alive():
+                    raise other._gone(f"while {self.role} ran {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} process: no answer to {what} within {timeout_s:.0f}s")
+        try:
+            return self.conn.recv()  # type: ignore[no-any-return]
+        except (EOFError, OSError):
+            raise self._gone(f"during {what}") from None
+
+    def _gone(self, when: str) -> RoleGone:
+        self.process.join(0.5)
+        code = self.process.exitcode
+        how = "is gone" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with status {code}")
+        return RoleGone(f"the {self.role} process (pid {self.pid}) {how} {when}")
+
+
+def _serve(path: str, args: tuple[Any, ...], kwargs: dict[str, Any], conn: Connection) -> None:
+    """The child: build the role, then answer calls until told to stop or the driver is gone."""
+    from specter.remote.roles.base import setup_process
+
+    setup_process()
+    module, name = path.rsplit(".", 1)
+    try:
+        role = getattr(import_module(module), name)(*args, **kwargs)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ready", os.getpid()))
+    closed = False
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the driver is gone: free what the role holds
+            break
+        if message is None:
+            break
+        method, call_args, call_kwargs = message
+        closed = closed or method == "close"
+        try:
+            conn.send(("ok", getattr(role, method)(*call_args, **call_kwargs)))
+        except BaseException as exc:
+            _send_error(conn, exc)
+    if not closed:
+        role.close()
+
+
+def _send_error(conn: Connection, exc: BaseException) -> None:
+    try:
+        conn.send(("error", exc))
+    except Exception:  # not picklable: its text
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+@dataclass
+class ProcessEngine:
+    """A replica's roles as processes: ``generate`` per request, ``shutdown`` at the end."""
+
+    transfer: RoleProcess
+    verifier: RoleProcess
+    draft: RoleProcess | None
+    prefix: str
+    policy: str
+    ipc_dir: str = ""
+    closed: bool = False
+    roles: list[RoleProcess] = field(default_factory=list)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> dict[str, Any]:
+        """``{"tokens", "stats"}`` for one prompt (``VerifierRole.generate``'s options)."""
+        return self.call(self.verifier, "generate", list(prompt_ids), max_new_tokens, **options)  # type: ignore[no-any-return]
+
+    def link_counters(self) -> dict[str, float]:
+        """The transfer role's link counters."""
+        return self.call(self.transfer, "counters")  # type: ignore[no-any-return]
+
+    def pids(self) -> dict[str, int | None]:
+        return {role.role: role.pid for role in self.roles}
+
+    def call(self, role: RoleProcess, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """A role's method, watching the other roles' processes meanwhile."""
+        others = [r for r in self.roles if r is not role]
+        return role.call(method, *args, timeout=timeout, watch=others, **kwargs)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every role (the verifier first: it tells the peers), sweep shared memory and the
+        ipc directory; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        for role in (self.verifier, self.draft, self.transfer):
+            if role is not None:
+                role.stop(timeout_s)
+        if self.ipc_dir and os.path.isdir(self.ipc_dir):
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        unlink_prefix(self.prefix)
+
+    def __enter__(self) -> ProcessEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def launch_processes(
+    model: str | Path, draft: str | Path | None, budget: SlotConfig, link: LinkConfig, policy: str = "specter",
+    timeout_s: float = 60.0, startup_timeout_s: float = 300.0, sealed: bool = True, host_profile: str | None = None,
+    draft_mode: str = "auto",
+) -> ProcessEngine:
+    """Start and wire the roles of one replica as plain processes (``actors/launcher.py: launch``'s
+    arguments, without the cluster's).
+
+    Raises:
+        ValueError: the draft does not match the target (checked before any process starts).
+        RoleError: a role could not be built (its exception's text, from its process).
+        RoleGone, TimeoutError: a role ended or did not answer while starting.
+    """
+    if draft is not None and Path(draft, "config.json").is_file() and Path(model, "config.json").is_file():
+        check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
+    prefix = f"specter-p{os.getpid()}-{secrets.token_hex(4)}"
+    transfer = RoleProcess("transfer", str(model), budget, link, prefix, timeout_s)
+    verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile)
+    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode) if draft is not None else None
+    roles = [r for r in (transfer, verifier, draft_role) if r is not None]
+    engine = ProcessEngine(transfer, verifier, draft_role, prefix, policy, roles=roles)
+    try:
+        for role in roles:
+            role.ready(startup_timeout_s, [r for r in roles if r is not role])
+
+        def call(role: RoleProcess, method: str, *args: Any, timeout: float) -> Any:
+            return engine.call(role, method, *args, timeout=timeout)
+
+        engine.ipc_dir, slots = wire(call, transfer, verifier, draft_role, startup_timeout_s)
+        if sealed:
+            seal(call, transfer, draft_role is not None, startup_timeout_s)
+    except BaseException:
+        engine.shutdown()
+        raise
+    log.info("processes: %d slots, pids %s", slots, engine.pids())
+    return engine

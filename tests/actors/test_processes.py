@@ -1,0 +1,125 @@
+"""The three roles as plain processes, without Ray (``specter/remote/processes.py``): the same
+lossless tests as through the actors, and a killed transfer process reported as such, leaving no
+shared memory or ipc directory behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.draft.resident import ResidentDraft
+from specter.engine import Engine
+from specter.remote.processes import ProcessEngine, RoleError, RoleGone, launch_processes
+from specter.target import OffloadedTarget
+
+PROMPT = [5, 99, 17, 42, 8, 63, 21]
+NEW = 12
+LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
+BUDGET = SlotConfig(fraction=0.25)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine(models) -> ProcessEngine:
+    folder, draft = models
+    handle = launch_processes(folder, draft, BUDGET, LINK, policy="demand-lru", timeout_s=60)
+    yield handle
+    handle.shutdown()
+
+
+def _entries(prefix: str) -> set[str]:
+    shm = {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    return shm | {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(prefix)}
+
+
+def _in_process(folder: Path, draft: Path, policy: str, window: int, sampling: SamplingConfig | None = None):
+    target = OffloadedTarget.load(folder, BUDGET, LINK, policy=policy)
+    try:
+        return Engine(target, ResidentDraft(draft) if window else None, window).generate_fresh(PROMPT, NEW, sampling)[0]
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize(("policy", "window"), [("demand-lru", 0), ("demand-host", 0), ("specter-paper", 4),
+                                                ("specter", 4), ("specter+fixed", 4)])
+def test_greedy_through_processes_is_token_identical(engine, models, policy, window) -> None:
+    folder, draft = models
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    got = engine.generate(PROMPT, NEW, policy=policy, window=window)
+    assert got["tokens"] == _in_process(folder, draft, policy, window) == want[0, len(PROMPT):].tolist()
+    assert got["stats"]["misses"] > 0 and got["stats"]["transfers"] > 0
+    assert engine.link_counters()["transfers"] >= got["stats"]["transfers"]
+
+
+def test_sampled_through_processes_equals_in_process(engine, models) -> None:
+    folder, draft = models
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=7)
+    got = engine.generate(PROMPT, NEW, policy="specter+fixed", window=3, temperature=0.8, top_p=0.95, seed=7)
+    assert got["tokens"] == _in_process(folder, draft, "specter+fixed", 3, sampling)
+
+
+def test_a_bad_request_is_raised_as_itself_and_the_processes_go_on(engine) -> None:
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(PROMPT, 0)
+    assert len(engine.generate(PROMPT, 2, policy="demand-lru")["tokens"]) == 2
+
+
+def test_a_killed_transfer_process_is_reported_as_such_and_leaves_nothing(models) -> None:
+    folder, draft = models
+    slow = LinkConfig(kind="sim", bandwidth=2e6, latency=5e-5)  # a long request: killed inside it
+    handle = launch_processes(folder, draft, BUDGET, slow, policy="specter+fixed", timeout_s=600)
+    assert not _entries(handle.prefix)  # sealed: nothing named once wired
+    pid = handle.transfer.pid
+    assert pid is not None
+    killed = threading.Event()
+
+    def kill_inside() -> None:  # tied to the request's state (experts moving for it), not to a clock
+        start = handle.transfer.call("counters")["transfers"]
+        while handle.transfer.call("counters")["transfers"] < start + 3:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        killed.set()
+
+    threading.Thread(target=kill_inside, daemon=True).start()
+    try:
+        with pytest.raises(RoleGone, match=rf"the transfer process \(pid {pid}\) was killed by signal 9"):
+            handle.generate(PROMPT, 240, policy="specter+fixed", window=3)
+        assert killed.is_set()
+        # told at once (the driver watches the processes), not after the verifier's 600 s timeout
+    finally:
+        handle.shutdown(timeout_s=2.0)
+    assert not any(role.alive() for role in handle.roles)
+    assert not _entries(handle.prefix)
+
+
+def test_a_role_that_cannot_start_is_named_and_nothing_is_left(models, tmp_path) -> None:
+    folder, _ = models
+    with pytest.raises(RoleError, match="draft process could not start"):
+        launch_processes(folder, tmp_path / "no-such-draft", BUDGET, LINK, policy="specter", timeout_s=30)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"specter-p{os.getpid()}-")]
+
+
+def test_specter_generate_processes_on_the_command_line(models) -> None:
+    folder, draft = models
+    proc = subprocess.run(
+        [sys.executable, "-m", "specter.cli", "generate", "--model", str(folder), "--draft", str(draft),
+         "--policy", "specter", "--window", "3", "--prompt-ids", ",".join(map(str, PROMPT)),
+         "--max-new-tokens", str(NEW), "--budget", "0.25", "--processes", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == _in_process(folder, draft, "specter", 3)

@@ -5,9 +5,11 @@ A held-out model (never used to tune anything: a seeded Qwen2-MoE of 4 MoE layer
 top-4, with a shared expert; or ``--model DIR``) and a draft of it (``specter quantize``, int8 by
 default: it agrees with the target nearly always, so a round's count is that of rounds that stand;
 ``--method rtn`` for int4) are built in a temporary folder. Each setting generates ``--tokens`` + 1 new tokens and 1 new
-token after the same prompt; the difference is the decode's own dispatch.
+token after the same prompt; the difference is the decode's own dispatch. ``--steps eager,static``
+counts each setting with the eager lean steps (a CPU's default) and with the pieces a GPU replays as
+CUDA graphs (``models/graphed.py``; each replay one op).
 
-    python scripts/dispatch_count.py [--tokens 32] [--json OUT]
+    python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--json OUT]
 """
 
 from __future__ import annotations
@@ -67,24 +69,26 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", help="write the counts here")
     parser.add_argument("--top", type=int, default=0, help="also list the N most frequent ops per setting")
+    parser.add_argument("--steps", default="eager", help="comma-separated: eager (a CPU's), static (a GPU's graphs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_held_out(Path(tmp) / "model")
         draft_dir = Path(args.draft) if args.draft else make_draft(model, Path(tmp) / "draft", args.method)
-        draft = load_draft(draft_dir, device="cpu", mode=args.mode)
         prompt = list(range(3, 11))
-        for name, budget, policy, window in SETTINGS:
-            target = OffloadedTarget.load(model, SlotConfig(fraction=budget), LinkConfig(kind="sim", bandwidth=1e12,
-                                          latency=0.0), policy=policy, device="cpu")
-            engine = Engine(target, draft if window else None, window=window)
-            counted, tokens, per_round = count(engine, prompt, args.tokens)
-            per = tokens * len(target.loaded.moe_layers)
-            rows.append({"setting": name, "tokens": tokens, "tokens_per_round": per_round, "ops": counted.ops / per, "reads": counted.reads / per,
-                         "syncs": counted.syncs / per,
-                         "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
-            target.close()
+        for step in args.steps.split(","):
+            draft = load_draft(draft_dir, device="cpu", mode=args.mode, step=step)
+            for name, budget, policy, window in SETTINGS:
+                target = OffloadedTarget.load(model, SlotConfig(fraction=budget), LinkConfig(
+                    kind="sim", bandwidth=1e12, latency=0.0), policy=policy, device="cpu", step=step)
+                engine = Engine(target, draft if window else None, window=window)
+                counted, tokens, per_round = count(engine, prompt, args.tokens)
+                per = tokens * len(target.loaded.moe_layers)
+                rows.append({"setting": f"{name} ({step})", "tokens": tokens, "tokens_per_round": per_round,
+                             "ops": counted.ops / per, "reads": counted.reads / per, "syncs": counted.syncs / per,
+                             "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
+                target.close()
     print("| setting | ops / MoE layer / token | host reads | implicit syncs | tokens / round |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for row in rows:

@@ -122,6 +122,22 @@ def test_a_speculative_round_dispatches_under_sixty_ops_per_committed_token(held
     assert reads <= 1.5
 
 
+@pytest.mark.parametrize(("budget", "window", "max_ops"), [(1.0, 0, 18), (0.25, 0, 18), (0.25, 8, 16)])
+def test_the_pieces_a_gpu_replays_count_one_op_each(held_out, budget, window, max_ops):
+    """``step="static"`` runs on a CPU what a GPU replays as CUDA graphs (``models/graphed.py``), each piece
+    counted as one launch: plain decoding ~15 ops per MoE layer per token where the eager lean step
+    issues ~45 (the rest is the executor's expert calls, eager between the pieces), reads unchanged."""
+    draft = load_draft(held_out[1], device="cpu", mode="dequant-cache", step="static") if window else None
+    policy = "specter+fixed+nopipe" if window else "demand-lru"
+    target = OffloadedTarget.load(held_out[0], SlotConfig(fraction=budget), FAST, policy, device="cpu", step="static")
+    try:
+        ops, reads = _per_token(Engine(target, draft, window=window), layers=4, tokens=18 if window else 16)
+    finally:
+        target.close()
+    assert ops <= max_ops
+    assert reads <= (0.5 if window else 0.25 if budget == 1.0 else 1.25)
+
+
 class _Costs:
     """A cost model of fixed charges (the clock's ``Costs`` protocol), one small layer per real one."""
 

@@ -11,18 +11,20 @@ from specter.models.checkpoint import read_config_dict, resolve_model_dir
 
 def load_draft(  # type: ignore[no-untyped-def]
     draft_dir: str | Path, device: str | torch.device | None = None, mode: str = "auto", dtype: torch.dtype | None = None,
+    step: str = "auto",
 ):
     """A ``DraftModel`` for a quantized draft folder (experts computed in ``mode``, in ``dtype``:
     default fp32 on a CPU), else a ``ResidentDraft``.
 
     ``auto`` times the modes on this machine, so which one runs (and, at near-ties, which draft
-    token wins) can differ from run to run; the virtual clock's runs pass a fixed mode.
+    token wins) can differ from run to run; the virtual clock's runs pass a fixed mode. ``step``: how a
+    quantized draft's steps after the prompt run (``DraftModel.load``: CUDA graphs on a GPU by default).
     """
     folder = resolve_model_dir(draft_dir)
     if "quantization_config" in read_config_dict(folder):
         from specter.draft.runner import DraftModel
 
-        return DraftModel.load(folder, device=device, mode=mode, dtype=dtype)
+        return DraftModel.load(folder, device=device, mode=mode, dtype=dtype, step=step)
     from specter.draft.resident import ResidentDraft
 
     return ResidentDraft(folder, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))

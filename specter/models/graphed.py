@@ -34,6 +34,7 @@ from transformers import DynamicCache
 
 from specter.models.decode import _experts_with_residual, _rms
 from specter.models.routing import Routing
+from specter.timing.dispatch import replay
 
 log = logging.getLogger(__name__)
 STEP_MODES = ("auto", "graph", "static", "eager")  # how a model's steps after the prompt run (see load())
@@ -176,6 +177,7 @@ class GraphedStep:
         if split and any(f.routed and f.projection is None for f in lean.fused):
             raise ValueError("lean: a split graphed step needs every routed layer's projections fused (no biases)")
         self.lean, self.cache, self.capture = lean, cache, capture
+        self.stands_in = not capture  # runs eagerly what a GPU would replay (dispatch counts one op a piece)
         self.splits = [i for i, f in enumerate(lean.fused) if split and f.routed]
         self.pieces: dict[int, _Pieces] = {}
         self.captures = 0
@@ -202,6 +204,9 @@ class GraphedStep:
         for i in range(len(self.splits) + 1):
             if graphed:
                 pieces.graphs[i].replay()
+            elif self.stands_in and pieces.calls >= CAPTURE_AFTER:  # a CPU: what a GPU replays, counted so
+                with replay():
+                    self._piece(pieces, i)
             else:
                 self._piece(pieces, i)
             if i < len(self.splits):

@@ -11,6 +11,9 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
   resident layer's routing: for the counters, the trace, the policy): it is read together with the
   next ``host_read`` of the same dtype, in the same sync, and ``then`` gets its values (numpy) then;
   ``flush_reads()`` reads what is left (the end of a request).
+* ``replay()`` — ops issued inside count as one launch: a captured CUDA graph's replay. On a CPU the
+  graphed steps' pieces (``models/graphed.py``) run eagerly inside it, so the counts and the as-built
+  clock see what a GPU's replay of them issues.
 * ``DispatchCount`` — a ``TorchDispatchMode`` that counts the ops reaching a kernel (views,
   allocations and other metadata-only ops excluded), every ``tolist``, ``item``, ``int(t)``,
   ``float(t)`` or ``bool(t)`` made while it is active (``reads``: through ``host_read`` or not, so
@@ -22,7 +25,8 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +93,7 @@ class _Reads:
 
 READS = _Reads()
 _ACTIVE: list[DispatchCount] = []
+_REPLAYING = [0]  # depth of ``replay()`` blocks
 
 
 _DEFERRED: list[tuple[torch.Tensor, Callable[[np.ndarray], None]]] = []
@@ -140,6 +145,20 @@ def _read_together(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     return out
 
 
+@contextmanager
+def replay() -> Iterator[None]:
+    """The ops inside are one CUDA graph's replay: counted as one op (``graph_replay``), not each."""
+    _REPLAYING[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAYING[0] -= 1
+        if not _REPLAYING[0]:
+            for counter in _ACTIVE:
+                counter.ops += 1
+                counter.by_name["graph_replay"] = counter.by_name.get("graph_replay", 0) + 1
+
+
 class DispatchCount(TorchDispatchMode):
     """Counts ops that reach a kernel (``ops``), implicit syncs (``syncs``) and reads of tensor values
     into Python (``reads``) while active; ``by_name`` breaks the ops down by aten name."""
@@ -170,7 +189,7 @@ class DispatchCount(TorchDispatchMode):
             self.reads += 1
         if name in _SYNCING:
             self.syncs += 1
-        if not (func.is_view or name in _FREE):
+        if not (func.is_view or name in _FREE or _REPLAYING[0]):
             self.ops += 1
             self.by_name[name] = self.by_name.get(name, 0) + 1
         return func(*args, **(kwargs or {}))

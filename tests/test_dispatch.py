@@ -23,6 +23,7 @@ from specter.timing.dispatch import (
     drop_deferred,
     flush_reads,
     host_read,
+    replay,
 )
 
 FAST = LinkConfig(kind="sim", bandwidth=1e12, latency=0.0)
@@ -191,6 +192,22 @@ def test_a_compute_bound_step_takes_its_kernels_and_a_read_drains_the_device():
         host_read(torch.zeros(1))
         assert clock.now() == pytest.approx(3e-3 + 20e-6)
     assert clock.dispatch_s == pytest.approx(7 * 10e-6 + 20e-6)  # torch.zeros(1) is an op too
+
+
+def test_a_graphs_replay_is_one_launch_and_its_kernels_take_the_device_floor():
+    """A replayed piece (``replay()``): the host pays one op for it, the device its kernels' floor."""
+    clock = VirtualClock(_Costs(), dispatch=Dispatch("t", op_s=10e-6, read_s=0.0, kernel_s=3e-6))
+    with clock.counting(), DispatchCount() as counted:
+        with replay():
+            _ops(20)
+        clock.charge_expert(1)
+    assert counted.ops == 1 and counted.kernels == 20 and counted.by_name == {"graph_replay": 1}
+    assert clock.now() == pytest.approx(20 * 3e-6)  # the device's 60 us, not the host's 10
+    eager = VirtualClock(_Costs(), dispatch=Dispatch("t", op_s=10e-6, read_s=0.0, kernel_s=3e-6))
+    with eager.counting():
+        _ops(20)
+        eager.charge_expert(1)
+    assert eager.now() == pytest.approx(20 * 10e-6)  # eager: the host's launches bound it
 
 
 def test_without_counting_or_dispatch_the_virtual_clock_is_the_ideal_one():

@@ -1,0 +1,76 @@
+"""The as-built clock's prediction for this code on the H200, eager and with CUDA graphs.
+
+    python scripts/as_built_steps.py [--out DIR]
+
+``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
+``qwen2moe-h200`` profile cut to 4 layers), 3 prompts x 48 tokens, medians, on the as-built clock:
+the eager lean steps at the ``h200-eager`` calibration, and the static pieces a GPU replays as CUDA
+graphs (``step="static"``: each piece one launch, its kernels a device floor each) at ``h200-graphs``
+(``specter/timing/dispatch.py``). Prints one JSON line per setting; writes ``as_built_steps.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specter.config import SlotConfig
+from specter.draft.loading import load_draft
+from specter.draft.quantize.model import quantize_model
+from specter.engine import Engine
+from specter.target import OffloadedTarget
+from specter.timing.clock import VirtualClock
+from specter.timing.costs import cost_model
+from specter.timing.dispatch import DISPATCH
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import validate_dispatch as vd  # noqa: E402  (its workloads and profile cut)
+
+parser = argparse.ArgumentParser(description="the as-built clock's prediction, eager and graphed")
+parser.add_argument("--out", default="runs/as-built-steps")
+parser.add_argument("--work", default=None, help="keep the synthetic model here (default: a temporary folder)")
+args = parser.parse_args()
+torch.set_num_threads(1)
+synthetic = vd._synthetic()
+work = Path(args.work or tempfile.mkdtemp(prefix="specter-as-built-"))
+work.mkdir(parents=True, exist_ok=True)
+shape, gain, profile_name, shrink = vd.WORKLOADS["qwen-led"]
+model = work / "model"
+if not model.exists():
+    synthetic.build_synthetic(shape, model, layers=4, gain=gain, shrink=shrink, dtype=torch.float32)
+    quantize_model(str(model), str(work / "draft"), method="rtn", progress=False)
+profile = vd._profile(profile_name, synthetic.SHAPES[shape])
+gen = torch.Generator().manual_seed(5)
+prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(3)]
+out = []
+for step, dname in (("eager", "h200-eager"), ("static", "h200-graphs")):
+    draft = load_draft(work / "draft", device="cpu", mode="dequant-cache", step=step)
+    for setting, (policy, budget, window) in vd.SETTINGS.items():
+        tpots, acc = [], []
+        for prompt in prompts:
+            costs = replace(cost_model(profile, *vd._dims(model)), launches=False)
+            clock = VirtualClock(costs, dispatch=DISPATCH[dname])
+            target = OffloadedTarget.load(model, SlotConfig(fraction=budget),
+                                          replace(costs, launches=True).link(), policy, clock=clock, step=step)
+            target.offload.set_host(None)
+            try:
+                engine = Engine(target, draft if window else None, window=window)
+                with clock.counting():
+                    tokens, stats = engine.generate_fresh(prompt, 48)
+            finally:
+                target.close()
+            tpots.append(stats.tpot_s * 1e3)
+            acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
+        row = {"step": step, "dispatch": dname, "setting": setting, "tpot_ms": statistics.median(tpots),
+               "accepted_per_window": acc}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+Path(args.out).mkdir(parents=True, exist_ok=True)
+(Path(args.out) / "as_built_steps.json").write_text(json.dumps(out, indent=1))

@@ -288,6 +288,9 @@ def probe_trained(new_tokens: int, policies: str | None) -> dict[str, Any]:
     names = [p for p in (policies.split(",") if policies else sorted(POLICIES)) if p]
     rows: dict[str, Any] = {"device": device, "link": link.kind, "new_tokens": new_tokens}
     for model in (DEFAULT_MODEL, COARSE_MODEL):
+        if not (model / "config.json").is_file() or not Path(f"{model}-awq", "config.json").is_file():
+            rows[model.name] = {"skipped": "not in this checkout (moved out to fit a device's carry?)"}
+            continue
         prompt = load_prompts(model, None, 1)[0]
         reference = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).to(device).eval()
         with torch.no_grad():
@@ -345,6 +348,9 @@ def markdown(results: dict[str, Any]) -> str:
                   "", "| model | policy | identical | TPOT ms | hit rate |", "| --- | --- | --- | ---: | ---: |"]
         for m, per in trained.items():
             if not isinstance(per, dict):
+                continue
+            if "skipped" in per:
+                lines.append(f"| {m} | - | skipped: {per['skipped']} | | |")
                 continue
             for policy, r in per.items():
                 if isinstance(r, dict):

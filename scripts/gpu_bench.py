@@ -16,7 +16,8 @@ differing per repeat), with medians over ``--repeats``:
 * ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
   steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target.
 
-Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / drafted per round,
+Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / K per speculative
+round (and the share of rounds ``specter``'s K chooser made plain),
 hit rate, link busy share, host reads per MoE layer per token. Per shape also the draft's one-token
 step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run eagerly), against
 the engine's resident step. Writes ``gpu_bench.json`` and
@@ -234,8 +235,13 @@ class Runner:
             target.close()
         if failure:
             print(f"gpu_bench: {policy}: CUDA graph capture failed: {failure}", file=sys.stderr, flush=True)
+        # the engine's mean_window counts the rounds its K chooser made plain (K 0); here K is over the
+        # speculative rounds, beside the share of plain ones
+        spec, plain = stats.extra.get("rounds", 0), stats.extra.get("plain_rounds", 0)
+        window = stats.extra.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0
         return {"tpot_ms": stats.tpot_s * 1e3, "tokens": tokens, "hit_rate": stats.hit_rate, "graphs": graphs,
-                "accepted": stats.extra.get("mean_accepted", 0.0), "window": stats.extra.get("mean_window", 0.0),
+                "accepted": stats.extra.get("mean_accepted", 0.0), "window": window,
+                "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                 "link_busy": stats.link_busy_fraction,
                 "reads_per_layer_token": stats.extra["host_reads"] / max(1, (len(tokens) - 1) * layers)}
 
@@ -288,6 +294,8 @@ def markdown(results: dict[str, Any]) -> str:
         for name, row in block["summary"].items():
             ratio = f"{row['vs_demand_lru']:.2f}x" if "vs_demand_lru" in row else "-"
             accepted = f"{row['accepted']:.1f} / {row['window']:.1f}" if row.get("window") else "-"
+            if row.get("plain_share"):
+                accepted += f" ({row['plain_share']:.0%} plain)"
             lines.append(f"| {name} | {row['tpot_ms']:.2f} | {ratio} | {accepted} | {row.get('hit_rate', 1.0):.2f} "
                          f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} |")
         steps = block.get("draft_step", {})

@@ -15,6 +15,7 @@ way: a round that stands is exactly the draft the round would have drafted (``Lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -35,7 +36,10 @@ from specter.timing.dispatch import READS, drop_deferred, flush_reads
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
-__all__ = ["Draft", "Engine", "Routing"]
+__all__ = ["Cancelled", "Draft", "Engine", "OnTokens", "Routing"]
+
+OnTokens = Callable[[list[int]], None]  # the tokens a step or round committed, as it commits them
+Cancelled = Callable[[], bool]  # asked before each round: end the request now
 
 
 @dataclass
@@ -98,15 +102,23 @@ class Engine:
         self.untimed_prefill = untimed_prefill
         self.active = False  # a request is running (read from other threads: progress reports)
         self.committed = 0  # tokens the running (or last) request has committed so far
+        self._on_tokens: OnTokens | None = None
+        self._cancelled: Cancelled | None = None
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | None = None, on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None,
     ) -> tuple[list[int], RequestStats]:
-        """Up to ``max_new_tokens`` new token ids after ``prompt_ids``, and the request's stats."""
+        """Up to ``max_new_tokens`` new token ids after ``prompt_ids``, and the request's stats.
+
+        ``on_tokens`` gets the tokens each step or round commits, as it commits them (a stream's
+        chunks: together they are the returned tokens). ``cancelled`` is asked before each round;
+        when it says so the request ends there with what it committed (``stats.extra["cancelled"]``).
+        """
         sampling = sampling or SamplingConfig()
         self._check_request(prompt_ids, max_new_tokens)
         self.active, self.committed = True, 0
+        self._on_tokens, self._cancelled = on_tokens, cancelled
         try:
             with self.clock.counting():  # the as-built clock charges the ops and reads the request issues
                 return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
@@ -140,6 +152,9 @@ class Engine:
             self.proposer.prefill(prompt_ids, sampling)
         commits = [self.clock.now()]
         self.committed = 1
+        if self._on_tokens is not None:
+            self._on_tokens(seq[-1:])
+        stopped = False
         after_prefill = self.target.offload.counters.snapshot()
         dispatch_mark = (READS.count, getattr(self.clock, "dispatch_s", 0.0))
         costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
@@ -152,6 +167,9 @@ class Engine:
         planned: int | None = None  # pipelined: this round's K, chosen by the round before
         standing = False  # pipelined: the round drafted ahead stands, its draft is this round's
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
+            if self._cancelled is not None and self._cancelled():
+                stopped = True
+                break
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
             limit = min(self.window, remaining - 1)
             if standing and planned is not None:  # drafted ahead at the K chosen a round early
@@ -162,9 +180,12 @@ class Engine:
             new, planned, stands = self._round(round_id, seq, tcache, k, sampling, gen, tally, standing, ahead_limit)
             if chooser is not None:
                 chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1)
-            seq += _until_eos(new[:remaining], eos_token_id)
+            committed = _until_eos(new[:remaining], eos_token_id)
+            seq += committed
             commits += [self.clock.now()] * len(new[:remaining])
             self.committed = len(seq) - len(prompt_ids)
+            if self._on_tokens is not None and committed:
+                self._on_tokens(committed)
             round_id += 2 if planned and not stands else 1  # a thrown-away round's id is not reused
             standing = stands
         tokens = seq[len(prompt_ids):]
@@ -179,6 +200,7 @@ class Engine:
             trace.ahead_s = max(0.0, trace.draft_s - tally.fresh_draft_s) if self.pipelined else 0.0  # rounds that stood
             stats.bound_tpot_s = self._bound(trace, costs) / max(1, len(commits) - 1)
         stats.extra["decode_misses"] = self.target.offload.counters.since(after_prefill).misses
+        stats.extra["cancelled"] = stopped
         # reads of device data the decode made (a sync each on a GPU), and the as-built clock's dispatch
         stats.extra["host_reads"] = READS.count - dispatch_mark[0]
         if self.clock.name == "as-built":
@@ -221,7 +243,7 @@ class Engine:
 
     def generate_fresh(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | None = None, on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None,
     ) -> tuple[list[int], RequestStats]:
         """``generate`` from the initial slot residency; the oracle first records its trace."""
         offload = self.target.offload
@@ -231,7 +253,7 @@ class Engine:
             self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
             replay()
         offload.reset_residency()
-        return self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
+        return self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id, on_tokens, cancelled)
 
     # -- the round --------------------------------------------------------------------------
     def _round(

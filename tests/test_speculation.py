@@ -182,3 +182,25 @@ def _warped(logits, temperature, top_k):
     from specter.verify.sampling import probabilities
 
     return probabilities(logits.unsqueeze(0), SamplingConfig(temperature=temperature, top_k=top_k))[0]
+
+
+@pytest.mark.parametrize(("policy", "window"), [("demand-lru", 0), ("specter+fixed", 4), ("specter", 4)])
+def test_streamed_chunks_are_the_tokens_and_a_cancelled_request_ends_at_a_round(setup, policy, window):
+    """``on_tokens`` gets each step's or round's commits as they commit (together: the returned tokens,
+    which are transformers'); ``cancelled`` ends the request before the next round, keeping what it
+    committed."""
+    folder, top_k, expected, draft = setup
+    target = OffloadedTarget.load(folder, SlotConfig(experts=top_k), LINK, policy=policy)
+    try:
+        engine = Engine(target, draft if window else None, window)
+        chunks: list[list[int]] = []
+        tokens, stats = engine.generate_fresh(PROMPT, NEW, on_tokens=chunks.append)
+        assert [t for chunk in chunks for t in chunk] == tokens == expected
+        assert len(chunks) == 1 + (stats.extra.get("rounds", 0) + stats.extra.get("plain_rounds", 0) if window
+                                   else NEW - 1) and not stats.extra["cancelled"]
+        seen: list[int] = []
+        tokens, stats = engine.generate_fresh(PROMPT, NEW, on_tokens=seen.extend, cancelled=lambda: len(seen) >= 3)
+        assert stats.extra["cancelled"] and 3 <= len(tokens) < NEW and tokens == seen == expected[: len(tokens)]
+        assert stats.new_tokens == len(tokens)
+    finally:
+        target.close()

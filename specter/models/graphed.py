@@ -191,7 +191,9 @@ class GraphedStep:
         cache, tokens = self.cache, input_ids.shape[1]
         cache.reserve(cache.length + tokens)
         cache.position.fill_(cache.length)
-        pieces = self.pieces.setdefault(tokens, _Pieces(tokens, cache.device))
+        pieces = self.pieces.get(tokens)
+        if pieces is None:  # a token count's buffers, made once
+            pieces = self.pieces[tokens] = _Pieces(tokens, cache.device)
         pieces.ids.copy_(input_ids, non_blocking=True)
         pieces.calls += 1
         graphed = self.capture and pieces.calls >= CAPTURE_AFTER

@@ -126,7 +126,11 @@ def _token_auth(token: str | None) -> None:
     os.environ["RAY_AUTH_MODE"] = "token"
     if token:
         os.environ["RAY_AUTH_TOKEN"] = token
-    # Ray caches both when it is imported: refresh them, as Ray's own ``ray.init`` does.
+    _refresh_auth()
+
+
+def _refresh_auth() -> None:
+    """Ray caches the auth mode and token when it is imported: refresh them, as its ``ray.init`` does."""
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 
@@ -154,8 +158,7 @@ def _head_checks_tokens(target: str) -> bool:
             os.environ.pop("RAY_AUTH_TOKEN", None)
         else:
             os.environ["RAY_AUTH_TOKEN"] = saved
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        _refresh_auth()
     return False
 
 

@@ -146,15 +146,15 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
             for policy, budget in settings:  # interleaved: each setting once per repeat
                 runs[f"{policy}@{budget:g}"].append(runner.run(policy, budget, prompt, new_tokens))
             if save is not None:
-                save({**block(layers, gain, dtype, runs, {}), "repeats_done": repeat + 1})
+                save({**shape_figures(layers, gain, dtype, runs, {}), "repeats_done": repeat + 1})
     finally:
         runner.close()
     steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens)
              for mode in ("eager", "graph" if cuda else "static")}
-    return block(layers, gain, dtype, runs, steps)
+    return shape_figures(layers, gain, dtype, runs, steps)
 
 
-def block(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, list[dict[str, Any]]],
+def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, list[dict[str, Any]]],
           steps: dict[str, float]) -> dict[str, Any]:
     """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times."""
     summary = {name: summarize(rows) for name, rows in runs.items() if rows}

@@ -102,8 +102,6 @@ class Engine:
         self.untimed_prefill = untimed_prefill
         self.active = False  # a request is running (read from other threads: progress reports)
         self.committed = 0  # tokens the running (or last) request has committed so far
-        self._on_tokens: OnTokens | None = None
-        self._cancelled: Cancelled | None = None
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -118,10 +116,9 @@ class Engine:
         sampling = sampling or SamplingConfig()
         self._check_request(prompt_ids, max_new_tokens)
         self.active, self.committed = True, 0
-        self._on_tokens, self._cancelled = on_tokens, cancelled
         try:
             with self.clock.counting():  # the as-built clock charges the ops and reads the request issues
-                return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id)
+                return self._generate(prompt_ids, max_new_tokens, sampling, eos_token_id, on_tokens, cancelled)
         except BaseException:
             drop_deferred()  # reads a failed request deferred: nobody waits for them
             raise
@@ -129,7 +126,8 @@ class Engine:
             self.active = False
 
     def _generate(
-        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_token_id: int | None
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos_token_id: int | None,
+        on_tokens: OnTokens | None, cancelled: Cancelled | None,
     ) -> tuple[list[int], RequestStats]:
         gen = torch.Generator().manual_seed(sampling.seed)
         before = (self.target.offload.counters.snapshot(), _link_state(self.target), _host_state(self.target))
@@ -152,8 +150,8 @@ class Engine:
             self.proposer.prefill(prompt_ids, sampling)
         commits = [self.clock.now()]
         self.committed = 1
-        if self._on_tokens is not None:
-            self._on_tokens(seq[-1:])
+        if on_tokens is not None:
+            on_tokens(seq[-1:])
         stopped = False
         after_prefill = self.target.offload.counters.snapshot()
         dispatch_mark = (READS.count, getattr(self.clock, "dispatch_s", 0.0))
@@ -167,7 +165,7 @@ class Engine:
         planned: int | None = None  # pipelined: this round's K, chosen by the round before
         standing = False  # pipelined: the round drafted ahead stands, its draft is this round's
         while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
-            if self._cancelled is not None and self._cancelled():
+            if cancelled is not None and cancelled():
                 stopped = True
                 break
             remaining = max_new_tokens - (len(seq) - len(prompt_ids))
@@ -184,8 +182,8 @@ class Engine:
             seq += committed
             commits += [self.clock.now()] * len(new[:remaining])
             self.committed = len(seq) - len(prompt_ids)
-            if self._on_tokens is not None and committed:
-                self._on_tokens(committed)
+            if on_tokens is not None and committed:
+                on_tokens(committed)
             round_id += 2 if planned and not stands else 1  # a thrown-away round's id is not reused
             standing = stands
         tokens = seq[len(prompt_ids):]

@@ -16,7 +16,7 @@ from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
 from specter.experts.slots import SlotPool
 from specter.memory import MemoryPlan, plan_memory
 from specter.models.decode import LeanStep
-from specter.models.graphed import STEP_MODES, GraphedStep, StaticKV
+from specter.models.graphed import GraphedStep, StaticKV, resolve_step
 from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
@@ -41,25 +41,14 @@ class OffloadedTarget:
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = offload
         offload.policy.attach_model(self.model)
-        self.step_mode = self._step_mode(step)
+        fused = self.lean.fused if self.lean is not None else None
+        static_ok = fused is not None and all(f.projection is not None for f in fused if f.routed)
+        self.step_mode = resolve_step(step, device, None if static_ok else (
+            f"the fused lean step of a supported family without router biases; this target is "
+            f"{loaded.family.model_type}"))
         self.graphed: GraphedStep | None = None
         if self.step_mode != "eager":
             self.graphed = GraphedStep(self.lean, StaticKV.for_model(self.model), self.step_mode == "graph", split=True)
-
-    def _step_mode(self, step: str) -> str:
-        """``auto``: CUDA graphs on a GPU where the lean step takes the family and fuses every router."""
-        if step not in STEP_MODES:
-            raise ValueError(f"step: expected one of {', '.join(STEP_MODES)}, got {step!r}")
-        fused = self.lean.fused if self.lean is not None else None
-        static_ok = fused is not None and all(f.projection is not None for f in fused if f.routed)
-        if step == "auto":
-            return "graph" if static_ok and self.device.type == "cuda" else "eager"
-        if step != "eager" and not static_ok:
-            raise ValueError(f"step: {step!r} needs the fused lean step of a supported family without router "
-                             f"biases; this target is {self.loaded.family.model_type}")
-        if step == "graph" and self.device.type != "cuda":
-            raise ValueError(f"step: 'graph' needs a CUDA device; this target is on {self.device}")
-        return step
 
     @classmethod
     def load(
@@ -145,14 +134,9 @@ class OffloadedTarget:
         self.offload.context = cache.get_seq_length()
         input_ids = input_ids.to(self.device)
         if isinstance(cache, StaticKV):
-            if self.graphed is None or cache is not self.graphed.cache:
-                raise ValueError("cache: a static cache of another model (take it from this target's new_cache())")
-            if cache.length > 0:
-                return self.graphed(input_ids).float()
-            prompt = DynamicCache(config=self.model.config)
-            logits = self.model(input_ids=input_ids, cache=prompt, use_cache=True).logits
-            cache.absorb(prompt)
-            return logits.float()  # type: ignore[no-any-return]
+            if self.graphed is None:
+                raise ValueError("cache: a static cache, but this target's steps are eager (new_cache() gives its own)")
+            return self.graphed.forward(input_ids, cache).float()
         if self.lean is not None and self.lean.takes(input_ids, cache):
             return self.lean(input_ids, cache).float()
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True)

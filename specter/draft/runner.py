@@ -24,7 +24,7 @@ from specter.experts.grouped import resident_experts
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.decode import LeanStep
 from specter.models.families import family_for
-from specter.models.graphed import STEP_MODES, GraphedStep, StaticKV
+from specter.models.graphed import GraphedStep, StaticKV, resolve_step
 from specter.models.loader import LoadedModel, build_dense
 from specter.models.routing import Routing, read_routing, router_modules
 from specter.timing.dispatch import host_read
@@ -133,25 +133,14 @@ class DraftModel:
             for layer, router in router_modules(loaded.model).items()
         ]
         self.lean = LeanStep.for_model(loaded.model, loaded.family.model_type, fused) if lean else None
-        self.step_mode = self._step_mode(step)
+        static_ok = self.lean is not None and self.lean.fused is not None and kernels.mode == "dequant-cache"
+        self.step_mode = resolve_step(step, device, None if static_ok else (
+            f"the fused lean step of a supported family and the dequant-cache mode (its experts grouped on "
+            f"the device); this draft has mode {kernels.mode!r}, lean step {'on' if self.lean else 'off'}"))
         self.graphed: GraphedStep | None = None
         if self.step_mode != "eager":
             assert self.lean is not None
             self.graphed = GraphedStep(self.lean, StaticKV.for_model(self.model), capture=self.step_mode == "graph")
-
-    def _step_mode(self, step: str) -> str:
-        if step not in STEP_MODES:
-            raise ValueError(f"step: expected one of {', '.join(STEP_MODES)}, got {step!r}")
-        static_ok = self.lean is not None and self.lean.fused is not None and self.kernels.mode == "dequant-cache"
-        if step == "auto":
-            return "graph" if static_ok and self.device.type == "cuda" else "eager"
-        if step != "eager" and not static_ok:
-            raise ValueError(f"step: {step!r} needs the fused lean step of a supported family and the "
-                             f"dequant-cache mode (its experts grouped on the device); this draft has mode "
-                             f"{self.kernels.mode!r}, lean step {'on' if self.lean is not None else 'off'}")
-        if step == "graph" and self.device.type != "cuda":
-            raise ValueError(f"step: 'graph' needs a CUDA device; this draft is on {self.device}")
-        return step
 
     @classmethod
     def load(
@@ -263,18 +252,13 @@ class DraftModel:
         return logits.float()
 
     def _static_forward(self, input_ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
-        """A forward over the static cache: the prompt through transformers (copied in after), the
-        steps after it through the graphed step."""
-        assert self.graphed is not None and self.lean is not None
-        if cache is not self.graphed.cache:
-            raise ValueError("cache: a static cache of another draft (take it from this draft's new_cache())")
-        if cache.length == 0:
-            prompt = DynamicCache(config=self.model.config)
-            logits = self.model(input_ids=input_ids, cache=prompt, use_cache=True).logits
-            cache.absorb(prompt)
-            return logits  # type: ignore[no-any-return]
-        logits = self.graphed(input_ids)
-        self._routing = self.graphed.routing
+        """A forward over the static cache (``GraphedStep.forward``); a step's routing is the pieces'
+        (the prompt's came through the routers' hooks)."""
+        assert self.graphed is not None
+        step = cache.length > 0
+        logits = self.graphed.forward(input_ids, cache)
+        if step:
+            self._routing = self.graphed.routing
         return logits
 
     def step(self, input_ids: torch.Tensor, cache: DynamicCache | StaticKV | None = None) -> DraftStep:

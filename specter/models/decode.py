@@ -246,7 +246,7 @@ class _Fused:
         qk = qk.transpose(1, 2)
         qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # ``sin`` signed: see ``LeanStep.__call__``
         k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
-        if getattr(cache, "static", False):  # a graphed piece: ``mask`` is an additive bias (T, capacity)
+        if getattr(cache, "static", False) and mask is not None:  # a graphed piece: an additive bias (G·T, S)
             out = masked_attention(qk[:, : self.q_heads], k, v, mask, attention.scaling)
         else:
             out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
@@ -291,22 +291,21 @@ class _Fused:
         return torch.addcmul(out, torch.sigmoid(score), shared_out)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                     scaling: float) -> torch.Tensor:
-    """Attention as plain matmuls: ``q`` (1, H, T, d) over ``k``, ``v`` (1, H_kv, S, d) plus ``bias`` (T, S),
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float,
+                     ) -> torch.Tensor:
+    """Attention as plain matmuls: ``q`` (1, H, T, d) over ``k``, ``v`` (1, H_kv, S, d) plus ``bias``
+    (G·T, S) with G = H / H_kv (the step's mask repeated per query head of a group, made once a step),
     added to the scores in fp32 (``-inf`` masks a key); returns (1, T, H, d).
 
     The graphed pieces' attention (``models/graphed.py``): SDPA picks its kernel by dtype, mask and
     head grouping (some of them fall back to its math path), while these matmuls are the same ops in
     every case, and the H200 captured them in fp32 with grouped-query heads for every policy
     (``tests/gpu``). A decode step's attention over a cache of a few hundred positions is a few small
-    matmuls anyway. A query head ``i`` reads key head ``i // (H / H_kv)``, as transformers'
-    ``repeat_kv`` arranges, without repeating the keys."""
+    matmuls anyway. A query head ``i`` reads key head ``i // G``, as transformers' ``repeat_kv``
+    arranges, without repeating the keys."""
     _, heads, tokens, dim = q.shape
-    groups = heads // k.shape[1]
-    scores = torch.matmul(q.reshape(1, k.shape[1], groups * tokens, dim), k.transpose(-1, -2)).float() * scaling
-    if bias is not None:
-        scores = scores + bias.repeat(groups, 1)
+    rows = heads // k.shape[1] * tokens
+    scores = torch.matmul(q.reshape(1, k.shape[1], rows, dim), k.transpose(-1, -2)).float() * scaling + bias
     out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
     return out.view(1, heads, tokens, dim).transpose(1, 2)
 

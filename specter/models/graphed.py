@@ -7,11 +7,11 @@ where its arithmetic needs ~0.05 ms (docs/benchmark.md). A CUDA graph launches a
 once, but only over buffers whose shapes and addresses never change. So:
 
 * ``StaticKV`` holds each layer's keys and values in buffers of a fixed capacity, the length on the
-  host and the next position on the device. Several tokens at once (a prompt's copy, a round's
-  catch-up) write and attend by slicing, as ``DynamicCache`` does; the static step writes its token at
-  the device-side position and attends over the whole capacity with the slots past it masked.
-  ``crop`` only moves the length (slots past it are masked until rewritten). When a sequence
-  outgrows the capacity the buffers double, and a capture over the old ones is dropped.
+  host and the next position on the device. A step writes its tokens at the device-side positions and
+  attends over the whole capacity with the slots past them masked (``models/decode.py:
+  masked_attention``). ``crop`` only moves the length (slots past it are masked until rewritten).
+  When a sequence outgrows the capacity the buffers double, and a capture over the old ones is
+  dropped.
 * ``GraphedStep`` runs the fused lean step (``models/decode.py``) over one ``StaticKV`` in pieces cut
   at each layer whose experts must run outside a graph (the target's: its executor reads the routing
   and fetches misses); the draft's experts are resident and grouped, so its step is one piece. On
@@ -41,8 +41,23 @@ STEP_MODES = ("auto", "graph", "static", "eager")  # how a model's steps after t
 CAPTURE_AFTER = 2  # a token count's pieces are captured on its second step (a count seen once runs eagerly)
 
 
+def resolve_step(step: str, device: torch.device, unsupported: str | None) -> str:
+    """The mode a model's steps after the prompt run in: ``auto`` is ``graph`` on CUDA where the model
+    can take it (``unsupported`` None; else it says what is missing) and ``eager`` otherwise; a mode
+    the model or the device cannot take is refused by name."""
+    if step not in STEP_MODES:
+        raise ValueError(f"step: expected one of {', '.join(STEP_MODES)}, got {step!r}")
+    if step == "auto":
+        return "graph" if unsupported is None and device.type == "cuda" else "eager"
+    if step != "eager" and unsupported is not None:
+        raise ValueError(f"step: {step!r} needs {unsupported}")
+    if step == "graph" and device.type != "cuda":
+        raise ValueError(f"step: 'graph' needs a CUDA device; this model is on {device}")
+    return step
+
+
 class StaticKV:
-    """A KV cache of fixed capacity (doubling when outgrown), in place of a ``DynamicCache``.
+    """A KV cache of fixed capacity (doubling when outgrown) for ``GraphedStep``'s pieces.
 
     Attributes:
         length: positions held (host).
@@ -63,8 +78,7 @@ class StaticKV:
         self.slots = torch.arange(capacity, device=device)
         self.length = 0
         self.version = 0
-        self.static = False  # set by GraphedStep while its pieces run: write at ``write_at``, attend over all
-        self.write_at = self.position
+        self.write_at = self.position  # the positions a step writes (set by GraphedStep for its pieces)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> StaticKV:
@@ -108,23 +122,16 @@ class StaticKV:
         self.slots = torch.arange(capacity, device=self.device)
         self.version += 1
 
+    static = True  # the fused attention's cue: attend over the whole capacity, masked by an additive bias
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a layer's new keys and values ``(1, heads, T, d)``; return what its query attends over."""
+        """Store a layer's new keys and values ``(1, heads, T, d)`` at ``write_at``; return the whole
+        capacity (the step's mask hides the slots past its positions)."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self.static:  # at the device-side positions; the whole capacity, masked by the step
-            keys.index_copy_(2, self.write_at, key)
-            values.index_copy_(2, self.write_at, value)
-            return keys, values
-        end = self.length + key.shape[2]
-        if layer_idx == 0:
-            self.reserve(end)
-            keys, values = self.keys[0], self.values[0]
-        keys[:, :, self.length : end] = key
-        values[:, :, self.length : end] = value
-        if layer_idx == len(self.keys) - 1:
-            self.length = end
-        return keys[:, :, :end], values[:, :, :end]
+        keys.index_copy_(2, self.write_at, key)
+        values.index_copy_(2, self.write_at, value)
+        return keys, values
 
     def absorb(self, cache: DynamicCache) -> None:
         """Take a ``DynamicCache``'s positions (the prompt's, from transformers' forward)."""
@@ -179,6 +186,7 @@ class GraphedStep:
         self.lean, self.cache, self.capture = lean, cache, capture
         self.stands_in = not capture  # runs eagerly what a GPU would replay (dispatch counts one op a piece)
         self.splits = [i for i, f in enumerate(lean.fused) if split and f.routed]
+        self.groups = lean.fused[0].q_heads // lean.fused[0].kv_heads  # query heads per key head
         self.pieces: dict[int, _Pieces] = {}
         self.captures = 0
         self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
@@ -186,6 +194,19 @@ class GraphedStep:
     @property
     def routing(self) -> Routing:
         return dict(self.lean.routing())
+
+    def forward(self, input_ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
+        """Logits for ``input_ids`` after ``cache`` (this step's own cache): the prompt through the
+        model's transformers forward (its shapes differ every time; copied into the cache after), the
+        steps after it through the pieces."""
+        if cache is not self.cache:
+            raise ValueError("cache: a static cache of another model (take it from this model's new_cache())")
+        if cache.length:
+            return self(input_ids)
+        prompt = DynamicCache(config=self.lean.model.config)
+        logits = self.lean.model(input_ids=input_ids, cache=prompt, use_cache=True).logits
+        cache.absorb(prompt)
+        return logits  # type: ignore[no-any-return]
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         cache, tokens = self.cache, input_ids.shape[1]
@@ -226,7 +247,8 @@ class GraphedStep:
         if i == 0:
             p.positions = self.cache.position + p.steps
             ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
-            p.mask = torch.zeros(ahead.shape, device=ahead.device).masked_fill_(ahead, float("-inf"))
+            bias = torch.zeros(ahead.shape, device=ahead.device).masked_fill_(ahead, float("-inf"))
+            p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
             hidden = lean.inner.embed_tokens(p.ids)
             p.cos, p.sin = lean.rotary(hidden, p.positions[None])
             start = 0
@@ -234,25 +256,22 @@ class GraphedStep:
             layer = self.splits[i - 1]
             out = lean.fused[layer].combine(lean.layers[layer].mlp, p.moe[i - 1], p.routes[i - 1][4])
             hidden, start = out.view(1, *out.shape), layer + 1
-        self.cache.static, self.cache.write_at = True, p.positions
-        try:
-            for j in range(start, len(lean.layers)):
-                layer, fused = lean.layers[j], lean.fused[j]
-                x = _rms(layer.input_layernorm, hidden)
-                hidden = fused.attention(layer.self_attn, x, p.cos, p.sin, p.mask, self.cache, hidden)
-                x = _rms(layer.post_attention_layernorm, hidden)
-                if j in self.splits:
-                    flat, ids, weights, projected = fused.route(x)
-                    route = (flat, ids, weights, hidden.view(flat.shape), projected)
-                    if len(p.routes) > i:
-                        p.routes[i] = route
-                    else:
-                        p.routes.append(route)
-                    return
-                hidden = fused.mlp(layer.mlp, x, hidden)
-            p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
-        finally:
-            self.cache.static = False
+        self.cache.write_at = p.positions
+        for j in range(start, len(lean.layers)):
+            layer, fused = lean.layers[j], lean.fused[j]
+            x = _rms(layer.input_layernorm, hidden)
+            hidden = fused.attention(layer.self_attn, x, p.cos, p.sin, p.mask, self.cache, hidden)
+            x = _rms(layer.post_attention_layernorm, hidden)
+            if j in self.splits:
+                flat, ids, weights, projected = fused.route(x)
+                route = (flat, ids, weights, hidden.view(flat.shape), projected)
+                if len(p.routes) > i:
+                    p.routes[i] = route
+                else:
+                    p.routes.append(route)
+                return
+            hidden = fused.mlp(layer.mlp, x, hidden)
+        p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
 
     def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:
         """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input."""

@@ -37,19 +37,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture()
-def head():
+def _started_head(env: dict[str, str], cpus: int):
+    """A `ray start --head` on a free loopback port with ``env``; yields its address, stops it after."""
     if ray.is_initialized():
         ray.shutdown()
     port = _free_port()
-    env = _token_env()
-    subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+    subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={cpus}",
                     "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
                    capture_output=True, timeout=120)
     try:
         yield f"127.0.0.1:{port}", env
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture()
+def head():
+    yield from _started_head(_token_env(), cpus=2)
 
 
 def test_client_attaches_to_ray_start_cluster_and_generates(head, tiny_dir):
@@ -83,18 +87,9 @@ def test_a_driver_without_the_clusters_token_is_refused_in_bounded_time(head):
 @pytest.fixture()
 def plain_head(tmp_path):
     """A plain `ray start --head`: no token authentication (Ray's default)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     env.update(RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))  # no ~/.ray/auth_token either
-    subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
-                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
-                   capture_output=True, timeout=120)
-    try:
-        yield f"127.0.0.1:{port}", env
-    finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    yield from _started_head(env, cpus=1)
 
 
 @pytest.mark.parametrize("token", [False, True], ids=["no-token", "a-token"])

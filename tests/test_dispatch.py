@@ -64,31 +64,47 @@ def held_out(tmp_path_factory) -> tuple[Path, Path]:
 
 def _per_token(engine: Engine, layers: int, tokens: int = 16) -> tuple[float, float]:
     """Ops and reads per MoE layer per committed token: a run of tokens + 1 less a run of 1."""
+    ops, reads, _ = _counted(engine, layers, tokens)
+    return ops, reads
+
+
+def _counted(engine: Engine, layers: int, tokens: int = 16) -> tuple[float, float, float]:
+    """Ops, reads and grouped expert matmuls per MoE layer per committed token."""
     counts = []
     for new in (1, tokens + 1):
         engine.target.offload.reset_residency()
         with DispatchCount() as counted:
             ids, _ = engine.generate(PROMPT, new)
-        counts.append((counted.ops, counted.reads, len(ids)))
-    (ops1, reads1, n1), (ops2, reads2, n2) = counts
+        counts.append((counted.ops, counted.reads, counted.by_name.get("_grouped_mm", 0), len(ids)))
+    (ops1, reads1, mm1, n1), (ops2, reads2, mm2, n2) = counts
     per = (n2 - n1) * layers
-    return (ops2 - ops1) / per, (reads2 - reads1) / per
+    return (ops2 - ops1) / per, (reads2 - reads1) / per, (mm2 - mm1) / per
 
 
-@pytest.mark.parametrize(("budget", "max_ops", "reads_per_layer"), [(1.0, 45, 0.25), (0.25, 46, 1.25)])
+# The ops of one expert group beyond its two grouped matmuls (gather, activation, product, scatter-add):
+# a layer runs its resident experts as one group and, when some arrive while it computes, those as a
+# second; how many layers take a second group depends on when the copies land (real time), so the
+# bounds below hold the rest of the step fixed and the groups to at most two a layer.
+GROUP_OPS = 6
+
+
+@pytest.mark.parametrize(("budget", "max_rest", "reads_per_layer"), [(1.0, 39, 0.25), (0.25, 36, 1.25)])
 def test_plain_decoding_dispatches_a_few_dozen_ops_and_reads_only_where_the_host_decides(
-    held_out, budget, max_ops, reads_per_layer,
+    held_out, budget, max_rest, reads_per_layer,
 ):
     """Counted through the public API: at commit d141f91 plain decoding took 93 ops and 2.25 reads per MoE
     layer per token here. Now: offloaded, one read of the routing per layer (the misses) and the token's;
-    all resident, only the token's, which brings the layers' routing with it (``defer_read``)."""
+    all resident, only the token's, which brings the layers' routing with it (``defer_read``). Offloaded,
+    a layer's experts run as one or two groups (``GROUP_OPS``), so the ops besides them are bounded."""
     target = OffloadedTarget.load(held_out[0], SlotConfig(fraction=budget), FAST, "demand-lru", device="cpu")
     try:
-        ops, reads = _per_token(Engine(target), layers=4)
+        ops, reads, matmuls = _counted(Engine(target), layers=4)
         _, stats = Engine(target).generate_fresh(PROMPT, 8)
     finally:
         target.close()
-    assert ops <= max_ops
+    groups = matmuls / 2
+    assert groups <= 2
+    assert ops - GROUP_OPS * groups <= max_rest  # ~45 ops in all, ~39 / ~35 besides the expert groups
     assert reads == pytest.approx(reads_per_layer)
     assert stats.hits + stats.inflight + stats.misses >= 8 * 4  # the counters settled from deferred reads too
 

@@ -2,8 +2,8 @@
 
 Prometheus sees each as ``ray_<name>`` (counters with a ``_total`` suffix; histograms as
 ``_bucket``/``_sum``/``_count``), tagged ``replica`` and ``actor`` (``verifier``, ``transfer``,
-``draft``, ``driver``). ``METRICS`` is the single list: deploy/grafana's dashboard and the scrape
-test are checked against it.
+``draft``, ``driver``, ``server``). ``METRICS`` is the engine's list (the scrape test checks each is
+exported), ``SERVER_METRICS`` the server's; deploy/grafana's dashboard is checked against both.
 """
 
 from __future__ import annotations
@@ -52,7 +52,15 @@ METRICS = [
     Metric("specter_rounds_ahead", "counter", "rounds drafted ahead, during the verify pass before them (pipelined)"),
     Metric("specter_rounds_ahead_kept", "counter", "rounds drafted ahead that stood (the rest were thrown away)"),
 ]
-BY_NAME = {m.name: m for m in METRICS}
+# The server's own (``specter serve``, tagged ``actor=server``): exported once requests reach it.
+SERVER_METRICS = [
+    Metric("specter_ttft_seconds", "histogram", "time to first token of each served request, queue wait excluded"),
+    Metric("specter_server_rejected", "counter", "requests answered 429: the server's queue was full"),
+    Metric("specter_server_cancelled", "counter", "requests whose client went away before the answer was complete"),
+]
+ALL_METRICS = METRICS + SERVER_METRICS
+BY_NAME = {m.name: m for m in ALL_METRICS}
+TTFT_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
 class Recorder:
@@ -71,7 +79,8 @@ class Recorder:
             elif m.kind == "gauge":
                 self._made[name] = Gauge(m.name, m.description, tag_keys=TAGS)
             else:
-                bounds = TPOT_BOUNDARIES if name == "specter_tpot_seconds" else ACCEPTED_BOUNDARIES
+                bounds = {"specter_tpot_seconds": TPOT_BOUNDARIES,
+                          "specter_ttft_seconds": TTFT_BOUNDARIES}.get(name, ACCEPTED_BOUNDARIES)
                 self._made[name] = Histogram(m.name, m.description, boundaries=bounds, tag_keys=TAGS)
         return self._made[name]
 

@@ -1,8 +1,8 @@
 """VerifierActor: the verifier role (``specter/remote/roles/verifier.py``) as a Ray actor.
 
 The role holds the target's dense parts and runs each request's rounds; this shell adds the process
-setup, Ray's metrics, and a concurrency group so that ``pid`` and ``progress`` answer while a request
-runs. ``specter/remote/processes.py`` runs the same role as a plain process.
+setup, Ray's metrics, and a concurrency group so that ``pid``, ``progress`` and ``cancel`` answer while a
+request runs; ``stream`` (a generator) reaches its caller as Ray's streaming generator, a chunk at a time. ``specter/remote/processes.py`` runs the same role as a plain process.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class VerifierActor(VerifierRole):
     @ray.method(concurrency_group="control")
     def pid(self) -> int:  # type: ignore[override]
         return super().pid()
+
+    @ray.method(concurrency_group="control")
+    def cancel(self, request_id: str) -> None:  # type: ignore[override]
+        super().cancel(request_id)
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, int | bool]:  # type: ignore[override]

@@ -10,7 +10,7 @@ import logging
 import sys
 
 from specter.cli.args import build_parser
-from specter.cli.commands import _batch, _bench, _generate
+from specter.cli.commands import _batch, _bench, _generate, _serve
 from specter.draft.quantize.cli import run_quantize
 from specter.models.checkpoint import CheckpointError
 
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
             return _batch(args, parser)
         if args.command == "bench":
             return _bench(args, parser)
+        if args.command == "serve":
+            return _serve(args, parser)
         if args.command == "quantize":
             return run_quantize(args)
     except (CheckpointError, ValueError, FileNotFoundError, TimeoutError, ConnectionError) as exc:

@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
     _add_batch(commands)
     _add_bench(commands)
+    _add_serve(commands)
     add_quantize_command(commands)
     return parser
 
@@ -224,6 +225,56 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
                        help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
     batch.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of a local Ray")
     batch.add_argument("--connect-timeout", type=_seconds, default=30.0,
+                       help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return value
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (Ray Serve) in front of one engine replica",
+        description="Serves GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed with "
+                    "\"stream\": true) and GET /health on Ray Serve, in front of the three actors. Requests "
+                    "run one at a time on the engine; the others wait in a bounded queue (--max-queue), past "
+                    "which the server answers 429 with Retry-After. A client that disconnects cancels its "
+                    "request. Ctrl-C stops it. See docs/serving.md.",
+    )
+    serve.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
+    serve.add_argument("--draft", default=None, help="draft folder (for the speculative policies)")
+    serve.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
+    serve.add_argument("--budget", type=_fraction, default=None,
+                       help="device expert slots as a fraction of all routed experts, 0 < F <= 1 (default 0.5)")
+    serve.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address the HTTP server listens on (default 127.0.0.1: this machine only; any "
+                            "other needs an API key)")
+    serve.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: the model folder's name)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECTER_API_KEY; required when "
+                            "--host is not loopback)")
+    serve.add_argument("--max-queue", type=positive_int, default=64,
+                       help="requests that may wait for the engine; past it, 429 with Retry-After (default 64)")
+    serve.add_argument("--max-body", type=_size, default=1 << 20,
+                       help="largest request body, e.g. 1MiB (default); larger ones get 413 before they are read")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
+    serve.add_argument("--address", default="local",
+                       help="'local' (start a local Ray, the default), 'auto' (the running cluster from "
+                            "`ray start --head`) or HOST:PORT")
+    serve.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of a local Ray")
+    serve.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
+    serve.add_argument("--connect-timeout", type=_seconds, default=30.0,
                        help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
 
 

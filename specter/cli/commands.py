@@ -251,6 +251,51 @@ def _through_processes(args, parser, timing, budget, window, sampling):  # type:
     return out["tokens"], text, out["stats"]
 
 
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``specter serve``: check the flags and the folders, attach to or start Ray, serve until Ctrl-C."""
+    import ray
+
+    from actors.cluster import init_ray
+    from actors.serve import API_KEY_ENV, ServeOptions, is_loopback, run
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not is_loopback(args.host) and api_key is None:
+        parser.error(f"argument --host: {args.host} is reachable from other machines; give --api-key KEY "
+                     f"(or set {API_KEY_ENV}) so that only clients with the key are answered")
+    model = resolve_model_dir(args.model)
+    config = read_config_dict(model)
+    if args.draft is not None:
+        check_draft_matches(read_config_dict(resolve_model_dir(args.draft)), config)
+    if drafts(args.policy) and args.draft is None:
+        parser.error(f"argument --draft: policy {args.policy!r} needs a draft model (--draft DIR)")
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            parser.error(f"argument --chat-template: cannot read {args.chat_template}: {exc.strerror}")
+    link = args.link if isinstance(args.link, LinkConfig) else None
+    profile = args.link if isinstance(args.link, str) else None
+    if profile is not None:
+        link = resolve_timing(str(model), "wall", profile, None, None).link
+    options = ServeOptions(
+        str(model), None if args.draft is None else str(resolve_model_dir(args.draft)), args.policy,
+        args.budget or SlotConfig(fraction=0.5), link or LinkConfig(), args.served_model_name, api_key,
+        args.max_queue, args.max_body, template, args.timeout, profile,
+    )
+    init_ray(args.address, args.num_cpus, args.connect_timeout)
+
+    def ready(url: str) -> None:
+        print(f"specter: serving {options.name!r} at {url}/v1 (policy {args.policy}; Ctrl-C stops)", file=sys.stderr,
+              flush=True)
+
+    try:
+        run(options, args.host, args.port, ready)
+    finally:
+        ray.shutdown()
+    return 0
+
+
 def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``specter batch``: validate everything, resume, then hand prompts out to the replicas."""
     import ray

@@ -10,13 +10,17 @@ side tells it the round and, per MoE layer, what the pass needs (``ScheduledExpe
 read-only, so a policy with host compute computes a late expert here, from the same blob, exactly
 as in process (``specter/remote/shared_store.py`` says why here and not in the transfer process). With a draft process, the engine's proposer
 is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
-stats; nothing per token crosses Ray.
+stats; nothing per token crosses Ray. ``stream`` is the same request handing out each round's
+tokens as they commit (the server's streamed responses), and ``cancel`` ends one at its next round.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 PIPELINED = True  # a request's default: see docs/actors.md, "Pipelined drafting"
 SCHEDULES = ("transfer", "verifier")  # where the policy's schedule runs
+CANCELS_KEPT = 1024
 
 
 class VerifierRole:
@@ -80,6 +85,8 @@ class VerifierRole:
         self.proposer: RemoteProposer | None = None
         self.channels: list[Channel] = []
         self._requests = 0  # requests started since the process started
+        self._cancelled: dict[str, None] = {}  # streamed requests asked to stop (cancel): an ordered set
+        self._lock = threading.Lock()
         self._engine: Engine | None = None  # the running (or last) request's engine
         # K choosers by (policy, pipelined): what a chooser measured survives a rebuild (the schedule
         # moved) and is not mixed between the two modes (a round drafted ahead costs no drafting)
@@ -113,13 +120,14 @@ class VerifierRole:
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
         eos_token_id: int | None = None, untimed_prefill: bool = False, pipelined: bool = PIPELINED,
-        schedule: str | None = None,
+        schedule: str | None = None, on_tokens: Any = None, cancelled: Any = None,
     ) -> dict[str, Any]:
         """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
 
         ``pipelined``: the draft drafts each next round while this one is verified (``specter/engine.py``).
         ``schedule``: where the policy's schedule runs from this request on (``transfer`` or
-        ``verifier``; None: as before). Its figures go to the replica's metrics; a request that
+        ``verifier``; None: as before). ``on_tokens``/``cancelled``: ``Engine.generate``'s (in this
+        process; ``stream`` uses them). Its figures go to the replica's metrics; a request that
         raises counts as an error.
         """
         if schedule is not None and schedule not in SCHEDULES:
@@ -131,7 +139,7 @@ class VerifierRole:
                 self.schedule = schedule
                 self._build(self.policy_name)
             out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
-                                 eos_token_id, untimed_prefill, pipelined)
+                                 eos_token_id, untimed_prefill, pipelined, on_tokens, cancelled)
         except Exception:
             self.metrics.inc("specter_request_errors")
             raise
@@ -139,6 +147,55 @@ class VerifierRole:
             self.metrics.set("specter_queue_depth", 0)
         self.metrics.request(out["stats"])
         return out
+
+    def stream(self, request_id: str, prompt_ids: list[int], max_new_tokens: int,
+               **options: Any) -> Iterator[dict[str, Any]]:
+        """``generate`` as a stream: ``{"tokens": [...]}`` for each step's or round's commits as they
+        commit, then ``{"tokens": [], "stats": {...}}`` (``stats["cancelled"]`` when ``cancel`` ended
+        it early). The request runs in a thread of this process while this generator hands its chunks
+        out; a generator closed early (its consumer gone) cancels the request and waits for it to end,
+        so the next request starts on a quiet engine."""
+        chunks: queue.Queue[tuple[str, Any]] = queue.Queue()
+        stop = threading.Event()
+
+        def cancelled() -> bool:
+            with self._lock:
+                return stop.is_set() or request_id in self._cancelled
+
+        def run() -> None:
+            try:
+                out = self.generate(prompt_ids, max_new_tokens, on_tokens=lambda t: chunks.put(("tokens", list(t))),
+                                    cancelled=cancelled, **options)
+                chunks.put(("done", out))
+            except BaseException as exc:  # handed to the consumer, raised there
+                chunks.put(("error", exc))
+
+        worker = threading.Thread(target=run, name=f"request-{request_id}", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, value = chunks.get()
+                if kind == "tokens":
+                    yield {"tokens": value}
+                elif kind == "done":
+                    yield {"tokens": [], "stats": value["stats"]}
+                    return
+                else:
+                    raise value
+        finally:
+            stop.set()
+            worker.join()
+            with self._lock:
+                self._cancelled.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the streamed request ``request_id`` to end before its next round (answers while it runs;
+        one not started yet ends before its first round). The last ``CANCELS_KEPT`` ids are kept, so a
+        cancel for a request that already ended costs nothing lasting."""
+        with self._lock:
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > CANCELS_KEPT:
+                del self._cancelled[next(iter(self._cancelled))]
 
     def pid(self) -> int:
         """This worker's process id (fault injection; answers while a request runs)."""
@@ -154,6 +211,7 @@ class VerifierRole:
     def _generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
         window: int | None, policy: str | None, eos_token_id: int | None, untimed_prefill: bool, pipelined: bool,
+        on_tokens: Any = None, cancelled: Any = None,
     ) -> dict[str, Any]:
         if policy is not None and policy != self.policy_name:
             self._build(policy)
@@ -171,7 +229,8 @@ class VerifierRole:
                         pipelined=pipelined)
         self._engine = engine
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
-        tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id)
+        tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id, on_tokens,
+                                              cancelled)
         return {"tokens": tokens, "stats": stats.to_dict()}
 
     def close(self) -> None:

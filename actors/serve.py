@@ -1,0 +1,160 @@
+"""``specter serve``: the OpenAI-compatible app (``specter/serving/app.py``) as a Ray Serve deployment in
+front of one engine replica (the three actors of ``actors/launcher.py``).
+
+The deployment's replica launches the actors in its constructor and builds the FastAPI app around a
+``VerifierBackend``: each request is one call to ``VerifierActor.stream`` (Ray's streaming generator:
+the tokens of each round as they commit), a client gone is a ``VerifierActor.cancel``. Serve's HTTP
+proxy listens where ``--host``/``--port`` say (loopback by default). ``serve`` blocks until Ctrl-C or
+SIGTERM, then deletes the application (its replica shuts the actors down) and stops the Ray it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from actors.launcher import EngineHandle, launch
+from actors.metrics import Recorder
+from specter.config import LinkConfig, SlotConfig
+from specter.models.checkpoint import read_config_dict
+from specter.serving.api import Model
+from specter.serving.app import DEFAULT_MAX_QUEUE, MAX_BODY, Settings, build_app
+from specter.target import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "specter"
+API_KEY_ENV = "SPECTER_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``specter serve`` was asked for (sent to the deployment's replica)."""
+
+    model: str
+    draft: str | None = None
+    policy: str = "demand-lru"
+    budget: SlotConfig = SlotConfig(fraction=0.5)
+    link: LinkConfig = LinkConfig()
+    served_name: str | None = None  # default: the model folder's name
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body: int = MAX_BODY
+    chat_template: str | None = None  # a Jinja template replacing (or supplying) the tokenizer's
+    timeout_s: float = 60.0
+    host_profile: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.model).name
+
+
+class VerifierBackend:
+    """The app's ``Backend`` over a launched replica's verifier actor."""
+
+    def __init__(self, handle: EngineHandle):
+        self.verifier = handle.verifier
+
+    async def stream(self, request_id: str, prompt_ids: list[int], max_new_tokens: int,
+                     **options: Any) -> AsyncIterator[dict[str, Any]]:
+        chunks = self.verifier.stream.remote(request_id, prompt_ids, max_new_tokens, **options)
+        async for ref in chunks:
+            yield await ref
+
+    def cancel(self, request_id: str) -> None:
+        self.verifier.cancel.remote(request_id)
+
+    async def alive(self) -> None:
+        await self.verifier.progress.remote()
+
+
+@serve.ingress()
+class SpecterServer:
+    """The deployment: one engine replica and the app in front of it."""
+
+    def __init__(self, options: ServeOptions):
+        logging.basicConfig(level=logging.INFO)
+        self.options = options
+        tokenizer = load_tokenizer(Path(options.model))
+        if tokenizer is None:
+            raise ValueError(f"--model {options.model}: no tokenizer in the folder (tokenizer.json); the server "
+                             "takes text")
+        if options.chat_template is not None:
+            tokenizer.chat_template = options.chat_template
+        config = read_config_dict(Path(options.model))
+        model = Model(options.name, tokenizer, int(config.get("max_position_embeddings", 2048)),
+                      int(config["vocab_size"]))
+        self.handle = launch(options.model, options.draft, options.budget, options.link, options.policy,
+                             replica=f"serve-{os.getpid()}", timeout_s=options.timeout_s,
+                             host_profile=options.host_profile)
+        settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model))
+        self.asgi = build_app(VerifierBackend(self.handle), settings, Recorder(self.handle.replica, "server"))
+        log.info("serving %s (%s) with policy %s", options.name, options.model, options.policy)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.asgi
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            handle.shutdown()
+
+
+def deployment(options: ServeOptions) -> Any:
+    """The bound application. Serve's own limits sit above the app's queue: a request it holds is either
+    running, waiting in the app's queue, or answered 429 by the app (a stream counts for its whole
+    life, so the limit is the queue plus the running request plus room for /health and /v1/models)."""
+    limit = options.max_queue + 1 + 16
+    return serve.deployment(  # type: ignore[attr-defined]
+        SpecterServer, name="SpecterServer", num_replicas=1, max_ongoing_requests=limit,
+        max_queued_requests=limit, ray_actor_options={"num_cpus": 0}, health_check_period_s=10,
+    ).bind(options)
+
+
+def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], None] | None = None,
+        stop: threading.Event | None = None) -> None:
+    """Start Serve's proxy on ``host:port`` and the application (Ray must be initialized), then block
+    until ``stop`` is set or SIGINT/SIGTERM arrives; delete the application on the way out."""
+    stop = stop or threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.start(http_options={"host": host, "port": port}, detached=False)
+        serve.run(deployment(options), name=APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://{host}:{port}"
+        if on_ready is not None:
+            on_ready(url)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:
+            serve.delete(APP_NAME)
+            serve.shutdown()
+        except Exception as exc:  # Ray already gone: nothing left to delete
+            log.warning("serve shutdown: %s", exc)
+
+
+def _eos(model: str) -> int | None:
+    """The end-of-text token from generation_config.json, else config.json."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        eos = read_config_dict(Path(model)).get("eos_token_id")
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+

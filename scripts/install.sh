@@ -10,7 +10,7 @@ fi
 # outside this folder: Ray workers and `ray job submit` entrypoints run elsewhere).
 installed=$(cd / && python3 -c "import specter, os; print(os.path.dirname(os.path.dirname(os.path.realpath(specter.__file__))))" \
             2>/dev/null || true)
-if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy, compressed_tensors" 2>/dev/null \
+if ! python3 -c "import specter, ruff, mypy, pytest, matplotlib, scipy, compressed_tensors, openai, httpx, fastapi, ray.serve" 2>/dev/null \
    || [ "$installed" != "$(pwd -P)" ] || [ pyproject.toml -nt .install-stamp ]; then
   python3 -m pip install --quiet -e ".[dev]"
   touch .install-stamp

@@ -95,13 +95,14 @@ def plain_head(tmp_path):
 @pytest.mark.parametrize("token", [False, True], ids=["no-token", "a-token"])
 def test_a_cluster_without_token_authentication_is_told_in_one_line(plain_head, tmp_path, token):
     """Without a token Ray itself would abort the driver with a C++ check dump; with one it would join
-    and then lose its actors. Both end here with status 1 and the README's steps, for generate and batch."""
+    and then lose its actors. Both end here with status 1 and the README's steps, for generate, batch and serve."""
     address, env = plain_head
     if token:
         env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"id": 1, "prompt": "hi"}\n')
-    for command in (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")]):
+    for command in (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")],
+                    ["serve", "--port", "0"]):
         proc = subprocess.run([sys.executable, "-m", "specter.cli", *command, "--address", address],
                               capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 1, proc.stderr[-2000:]

@@ -1,0 +1,91 @@
+"""The wire format and the streamed text, without a server: checked against the tokenizer itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specter.assets import DEFAULT_MODEL
+from specter.serving.api import ApiError, Model, parse
+from specter.serving.text import TextStream
+from specter.target import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model("moe-fine", load_tokenizer(Path(DEFAULT_MODEL)), 1024, 2048)
+
+
+def _parse(model: Model, kind: str = "completion", **fields) -> object:
+    return parse(json.dumps({"model": "moe-fine", **fields}).encode(), kind, model)
+
+
+def test_a_completion_is_the_tokenizers_ids_with_the_apis_defaults(model):
+    req = _parse(model, prompt="def f(x):")
+    assert req.prompt_ids == model.tokenizer("def f(x):")["input_ids"]
+    assert req.max_tokens == 16 and req.temperature == 1.0 and req.top_p == 1.0 and not req.stream
+    ids = _parse(model, prompt=[5, 6, 7], max_tokens=3, temperature=0, seed=4, stop="\n")
+    assert ids.prompt_ids == [5, 6, 7] and ids.max_tokens == 3 and ids.seed == 4 and ids.stop == ("\n",)
+    assert _parse(model, prompt=["one"]).prompt_ids == model.tokenizer("one")["input_ids"]
+    assert _parse(model, prompt="x", n=1, logprobs=None, user="u", presence_penalty=0).max_tokens == 16
+
+
+@pytest.mark.parametrize(("fields", "status", "param"), [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1024}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ({"prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "messages": []}, 400, "messages"),
+    ({"prompt": "x", "model": "gpt"}, 404, "model"),
+])
+def test_bad_fields_are_named(model, fields, status, param):
+    with pytest.raises(ApiError) as caught:
+        parse(json.dumps({"model": "moe-fine", **fields}).encode(), "completion", model)
+    assert caught.value.status == status and caught.value.param == param
+    assert caught.value.body()["error"]["param"] == param and caught.value.message
+
+
+def test_chat_needs_a_template_and_uses_it(model):
+    with pytest.raises(ApiError, match="no chat template") as caught:
+        _parse(model, "chat", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.status == 400
+    tokenizer = load_tokenizer(Path(DEFAULT_MODEL))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    templated = Model("moe-fine", tokenizer, 1024, 2048)
+    req = _parse(templated, "chat", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert req.prompt_ids == tokenizer("hi|", add_special_tokens=False)["input_ids"]
+    assert req.max_tokens == 1024 - len(req.prompt_ids)  # chat's default: what the context leaves
+
+
+def test_streamed_text_is_the_decoded_text_up_to_the_first_stop(model):
+    tokenizer = model.tokenizer
+    ids = tokenizer("héllo wörld, and then some more text\nnext line")["input_ids"]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for split in (1, 2, 3):
+        stream = TextStream(tokenizer)
+        pieces = [stream.add(ids[i:i + split]) for i in range(0, len(ids), split)] + [stream.finish()]
+        assert "".join(pieces) == text
+        assert all("\ufffd" not in p for p in pieces)
+        stopped = TextStream(tokenizer, ("then", "\n"))
+        pieces = [stopped.add(ids[i:i + split]) for i in range(0, len(ids), split)] + [stopped.finish()]
+        assert "".join(pieces) == text[:text.index("then")] and stopped.stopped
+
+
+def test_serve_refuses_a_public_host_without_a_key():
+    proc = subprocess.run([sys.executable, "-m", "specter.cli", "serve", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "SPECTER_API_KEY"})
+    assert proc.returncode == 2 and "--api-key" in proc.stderr and "Traceback" not in proc.stderr

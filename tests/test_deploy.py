@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from actors.metrics import METRICS
+from actors.metrics import ALL_METRICS as METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -15,7 +15,7 @@ from specter.experts.executor import OffloadedExperts
 from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
 from specter.experts.slots import SlotPool
 from specter.memory import MemoryPlan, plan_memory
-from specter.models.decode import LeanStep
+from specter.models.decode import LEAN_FAMILIES, LeanStep
 from specter.models.graphed import GraphedStep, StaticKV, resolve_step
 from specter.models.loader import LoadedModel, build_dense, load_store
 from specter.plan import make_policy
@@ -120,10 +120,10 @@ class OffloadedTarget:
     def clock(self) -> WallClock:
         return self.offload.clock
 
-    def new_cache(self) -> DynamicCache | StaticKV:
+    def new_cache(self, batched: bool = False) -> DynamicCache | StaticKV:
         """An empty KV cache: the static one the graphed step writes (one sequence at a time), or a new
-        ``DynamicCache``."""
-        if self.graphed is not None:
+        ``DynamicCache`` (always when ``batched``: one of several sequences stepped together)."""
+        if self.graphed is not None and not batched:
             self.graphed.cache.reset()
             return self.graphed.cache
         return DynamicCache(config=self.model.config)
@@ -141,6 +141,20 @@ class OffloadedTarget:
             return self.lean(input_ids, cache).float()
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
         return out.logits.float()
+
+    @torch.inference_mode()
+    def forward_batch(self, inputs: list[torch.Tensor], caches: list[DynamicCache]) -> list[torch.Tensor]:
+        """Logits (fp32) of several sequences in one step (``LeanStep.batch``): ``inputs[i]`` (1, T_i)
+        continuing ``caches[i]`` (a ``DynamicCache`` each, past its prompt). The MoE layers run once
+        over all their positions (the union of their experts), attention per sequence."""
+        if self.lean is None or self.lean.fused is None:
+            raise ValueError(f"a batched step needs the lean step of {', '.join(sorted(LEAN_FAMILIES))}; this "
+                             f"target is {self.loaded.family.model_type}")
+        if any(isinstance(cache, StaticKV) for cache in caches):
+            raise ValueError("caches: a batched step takes a DynamicCache per sequence (new_cache(batched=True))")
+        self.offload.context = sum(cache.get_seq_length() for cache in caches)  # the KV the step reads
+        logits = self.lean.batch([ids.to(self.device) for ids in inputs], caches)
+        return [x.float() for x in logits]
 
     def close(self) -> None:
         drop_deferred()  # a resident layer's routing not read yet: nobody waits for it now

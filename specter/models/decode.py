@@ -110,7 +110,34 @@ class LeanStep:
             mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[0, :, None])[None, None]
         return self._run(input_ids, positions, mask, cache)
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+    def batch(self, inputs: list[torch.Tensor], caches: list[DynamicCache]) -> list[torch.Tensor]:
+        """Several sequences in one step (fused only): ``inputs[i]`` (1, T_i) after ``caches[i]`` (each
+        non-empty, or T_i = 1). Every projection, norm and MoE block runs once over all their positions;
+        attention runs per sequence against its own cache. Returns each sequence's logits (1, T_i, V)."""
+        if self.fused is None:
+            raise ValueError("a batched step needs the fused lean step")
+        if len(inputs) != len(caches) or not inputs:
+            raise ValueError(f"a batched step: {len(inputs)} inputs for {len(caches)} caches")
+        for ids, cache in zip(inputs, caches, strict=True):
+            if not self.takes(ids, cache):
+                raise ValueError(f"input_ids: a batched step takes (1, T) tokens after a non-empty cache, or one "
+                                 f"token; got {tuple(ids.shape)} after {cache.get_seq_length()} cached positions")
+        device = inputs[0].device
+        lengths = [ids.shape[1] for ids in inputs]
+        pasts = [cache.get_seq_length() for cache in caches]
+        positions = torch.tensor([[p + j for p, t in zip(pasts, lengths, strict=True) for j in range(t)]], device=device)
+        segments = []
+        for cache, past, tokens in zip(caches, pasts, lengths, strict=True):
+            mask = None
+            if tokens > 1:  # as ``__call__``'s, for this sequence alone
+                here = torch.arange(past, past + tokens, device=device)
+                mask = (torch.arange(past + tokens, device=device)[None, :] <= here[:, None])[None, None]
+            segments.append((cache, mask, tokens))
+        logits = self._run(torch.cat(inputs, dim=1), positions, None, None, segments)
+        return list(logits.split(lengths, dim=1))
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any,
+             segments: list[tuple[Any, torch.Tensor | None, int]] | None = None) -> torch.Tensor:
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.rotary(hidden, positions)
         for i, layer in enumerate(self.layers):
@@ -119,7 +146,7 @@ class LeanStep:
                 hidden = hidden + self._attention(layer.self_attn, x, cos, sin, mask, cache)
                 hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
             else:
-                hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden)
+                hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden, segments)
                 hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
         return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
 
@@ -232,9 +259,11 @@ class _Fused:
 
     def attention(
         self, attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-        cache: DynamicCache, residual: torch.Tensor,
+        cache: DynamicCache, residual: torch.Tensor, segments: list[tuple[Any, torch.Tensor | None, int]] | None = None,
     ) -> torch.Tensor:
-        """``residual`` plus the attention block's output (the sum in the output projection's matmul)."""
+        """``residual`` plus the attention block's output (the sum in the output projection's matmul).
+        ``segments``: several sequences' positions one after another (``LeanStep.batch``), each
+        ``(cache, mask, length)``; ``mask`` and ``cache`` are then unused."""
         tokens = x.shape[1]
         weight, bias = self.qkv
         assert weight is not None
@@ -245,16 +274,33 @@ class _Fused:
             qk = _rms_weight(qk, *self.qk_norm)
         qk = qk.transpose(1, 2)
         qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # ``sin`` signed: see ``LeanStep.__call__``
-        k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
-        if getattr(cache, "static", False) and mask is not None:  # a graphed piece: an additive bias (G·T, S)
-            out = masked_attention(qk[:, : self.q_heads], k, v, mask, attention.scaling)
+        if segments is not None:
+            out = self._per_sequence(attention, qk, v.transpose(1, 2), segments).reshape(tokens, -1)
         else:
-            out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
-                                            scaling=attention.scaling)
-        out = out.reshape(tokens, -1)
+            k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
+            if getattr(cache, "static", False) and mask is not None:  # a graphed piece: an additive bias (G·T, S)
+                out = masked_attention(qk[:, : self.q_heads], k, v, mask, attention.scaling)
+            else:
+                out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
+                                                scaling=attention.scaling)
+            out = out.reshape(tokens, -1)
         if attention.o_proj.bias is not None:
             return residual + F.linear(out, attention.o_proj.weight, attention.o_proj.bias).view(residual.shape)
         return torch.addmm(residual.view(tokens, -1), out, attention.o_proj.weight.t()).view(residual.shape)
+
+    def _per_sequence(self, attention: Any, qk: torch.Tensor, v: torch.Tensor,
+                      segments: list[tuple[Any, torch.Tensor | None, int]]) -> torch.Tensor:
+        """Each sequence's positions of ``qk`` (1, H + H_kv, ΣT, d) and ``v`` (1, H_kv, ΣT, d) against its
+        own cache, as one sequence's step computes them; their outputs (1, ΣT, H, d) in order."""
+        outs, start = [], 0
+        for cache, mask, tokens in segments:
+            rows = slice(start, start + tokens)
+            k, v_seq = cache.update(qk[:, self.q_heads :, rows], v[:, :, rows], attention.layer_idx)
+            out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads, rows], k, v_seq, mask, dropout=0.0,
+                                            scaling=attention.scaling)
+            outs.append(out)
+            start += tokens
+        return torch.cat(outs, dim=1)
 
     def mlp(self, mlp: Any, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual`` plus the MoE block's output (added in the experts' weighted sum); the router's

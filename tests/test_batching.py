@@ -1,0 +1,122 @@
+"""Continuous batching: every request decoded in a shared step equals itself decoded alone — and
+transformers' ``generate`` — whatever joins, leaves or is cancelled around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specter.batching import Batcher, BatchRequest
+from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.engine import Engine
+from specter.models.decode import LEAN_FAMILIES
+from specter.target import OffloadedTarget
+from specter.timing.dispatch import DispatchCount
+
+FAST = LinkConfig(kind="sim", bandwidth=5e9, latency=0.0)
+PROMPTS = [[5, 99, 17, 42, 8, 63, 21], [7, 7, 3], [120, 4, 56, 9, 11], [33], [64, 2, 2, 90, 15, 6, 77, 40]]
+NEW = [12, 5, 9, 12, 7]
+
+
+def _target(folder, budget: float = 0.5, policy: str = "demand-lru") -> OffloadedTarget:
+    return OffloadedTarget.load(folder, SlotConfig(fraction=budget), FAST, policy, device="cpu")
+
+
+@pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
+def test_each_request_of_a_batch_is_transformers_generate(family, tiny_dir):
+    folder = tiny_dir(family)
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
+    expected = [ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+                for p, n in zip(PROMPTS, NEW, strict=True)]
+    target = _target(folder)
+    try:
+        results = Batcher(target, max_batch=3).run([BatchRequest(p, n) for p, n in zip(PROMPTS, NEW, strict=True)])
+    finally:
+        target.close()
+    assert [tokens for tokens, _ in results] == expected
+    sizes = [stats.extra["mean_batch"] for _, stats in results]
+    assert max(sizes) > 2 and all(s <= 3 for s in sizes)  # they really ran together, never more than 3
+
+
+def test_sampled_requests_draw_as_they_would_alone(tiny_dir):
+    folder = tiny_dir("qwen2_moe")
+    target = _target(folder)
+    try:
+        samplings = [SamplingConfig(temperature=0.9, top_p=0.95, seed=s) for s in range(len(PROMPTS))]
+        alone = [Engine(target).generate(p, n, sampling)[0] for p, n, sampling in zip(PROMPTS, NEW, samplings, strict=True)]
+        batched = Batcher(target).run([BatchRequest(p, n, sampling)
+                                       for p, n, sampling in zip(PROMPTS, NEW, samplings, strict=True)])
+    finally:
+        target.close()
+    assert [tokens for tokens, _ in batched] == alone
+
+
+def test_requests_join_and_leave_mid_run_and_a_cancelled_one_frees_its_place(tiny_dir):
+    folder = tiny_dir("mixtral")
+    target = _target(folder, budget=0.25)
+    try:
+        alone = [Engine(target).generate(p, 12)[0] for p in PROMPTS]
+        batcher = Batcher(target, max_batch=4)
+        streamed: list[int] = []
+        first = batcher.submit(BatchRequest(PROMPTS[0], 12, on_tokens=streamed.extend))
+        stop_after = {"n": 0}
+
+        def cancel_soon() -> bool:
+            stop_after["n"] += 1
+            return stop_after["n"] > 3
+
+        doomed = batcher.submit(BatchRequest(PROMPTS[1], 12, cancelled=cancel_soon))
+        for _ in range(4):
+            batcher.step()
+        late = [batcher.submit(BatchRequest(p, 12)) for p in PROMPTS[2:]]  # join a running batch
+        while batcher.step():
+            pass
+    finally:
+        target.close()
+    assert first.result(0)[0] == alone[0] == streamed  # streamed as it committed, same tokens
+    tokens, stats = doomed.result(0)
+    assert stats.extra["cancelled"] and 0 < len(tokens) < 12 and tokens == alone[1][:len(tokens)]
+    assert [r.result(0)[0] for r in late] == alone[2:]
+    assert batcher.idle() and doomed.cache is None
+
+
+def test_a_step_reads_the_device_once_for_all_its_greedy_tokens(tiny_dir):
+    folder = tiny_dir("qwen2_moe")
+    target = _target(folder, budget=1.0)
+    try:
+        batcher = Batcher(target, max_batch=4)
+        requests = [batcher.submit(BatchRequest(p, 8)) for p in PROMPTS[:4]]
+        for _ in range(4):  # the prefills
+            batcher.step()
+        with DispatchCount() as counted:
+            assert batcher.step()
+        assert len(batcher.running) == 4
+        while batcher.step():
+            pass
+    finally:
+        target.close()
+    assert counted.reads == 1  # the four tokens (the resident layers' routing rides along)
+    assert all(len(r.result(0)[0]) == 8 for r in requests)
+
+
+def test_bad_requests_and_drafting_policies_are_refused_by_name(tiny_dir):
+    folder = tiny_dir("qwen2_moe")
+    target = _target(folder)
+    try:
+        batcher = Batcher(target)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            batcher.submit(BatchRequest([1, 2], 0))
+        with pytest.raises(ValueError, match="prompt"):
+            batcher.submit(BatchRequest([], 3))
+        with pytest.raises(ValueError, match="max_batch"):
+            Batcher(target, max_batch=0)
+        assert batcher.idle()
+    finally:
+        target.close()
+    drafting = _target(folder, policy="specter")
+    try:
+        with pytest.raises(ValueError, match="plain decoding only"):
+            Batcher(drafting)
+    finally:
+        drafting.close()

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft import DraftActor
 from actors.transfer import TransferActor
-from actors.verifier import VerifierActor
+from actors.verifier import MAX_BATCH, VerifierActor
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.checkpoint import read_config_dict
@@ -91,6 +91,7 @@ def launch(
     sealed: bool = True,
     host_profile: str | None = None,
     draft_mode: str = "auto",
+    max_batch: int = MAX_BATCH,
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -107,6 +108,7 @@ def launch(
         gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
         startup_timeout_s: how long the actors may take to start and load the model (worker start-up
             and loading, slow on a busy machine; separate from the peer timeouts).
+        max_batch: streams the verifier decodes together (a draft-free policy; ``specter/batching.py``).
         draft_mode: how the draft actor computes its experts (``load_draft``'s ``mode``; ``auto`` times
             the modes on its node).
         host_profile: the profile whose host computes late experts (``simulated_host``; None: the
@@ -140,7 +142,7 @@ def launch(
         str(model), budget, link, prefix, timeout_s, replica
     )
     verifier = VerifierActor.options(**where("verifier")).remote(  # type: ignore[attr-defined]
-        str(model), budget, policy, timeout_s, replica, link, host_profile
+        str(model), budget, policy, timeout_s, replica, link, host_profile, "transfer", max_batch
     )
     draft_actor = None
     if draft is not None:

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 
 from actors.launcher import EngineHandle, launch
 from actors.metrics import Recorder
+from actors.verifier import MAX_BATCH
 from specter.config import LinkConfig, SlotConfig
 from specter.models.checkpoint import read_config_dict
 from specter.serving.api import Model
@@ -51,6 +53,7 @@ class ServeOptions:
     chat_template: str | None = None  # a Jinja template replacing (or supplying) the tokenizer's
     timeout_s: float = 60.0
     host_profile: str | None = None
+    max_batch: int = MAX_BATCH  # requests decoded together (a draft-free policy); 1: one at a time
 
     @property
     def name(self) -> str:
@@ -94,10 +97,13 @@ class SpecterServer:
                       int(config["vocab_size"]))
         self.handle = launch(options.model, options.draft, options.budget, options.link, options.policy,
                              replica=f"serve-{os.getpid()}", timeout_s=options.timeout_s,
-                             host_profile=options.host_profile)
-        settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model))
+                             host_profile=options.host_profile, max_batch=options.max_batch)
+        concurrency = ray.get(self.handle.verifier.concurrency.remote())
+        settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model),
+                            concurrency)
         self.asgi = build_app(VerifierBackend(self.handle), settings, Recorder(self.handle.replica, "server"))
-        log.info("serving %s (%s) with policy %s", options.name, options.model, options.policy)
+        log.info("serving %s (%s) with policy %s, %d request(s) decoded at once", options.name, options.model,
+                 options.policy, concurrency)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi
@@ -111,8 +117,8 @@ class SpecterServer:
 def deployment(options: ServeOptions) -> Any:
     """The bound application. Serve's own limits sit above the app's queue: a request it holds is either
     running, waiting in the app's queue, or answered 429 by the app (a stream counts for its whole
-    life, so the limit is the queue plus the running request plus room for /health and /v1/models)."""
-    limit = options.max_queue + 1 + 16
+    life, so the limit is the queue plus the running requests plus room for /health and /v1/models)."""
+    limit = options.max_queue + options.max_batch + 16
     return serve.deployment(  # type: ignore[attr-defined]
         SpecterServer, name="SpecterServer", num_replicas=1, max_ongoing_requests=limit,
         max_queued_requests=limit, ray_actor_options={"num_cpus": 0}, health_check_period_s=10,

@@ -15,6 +15,7 @@ time). Greedy output of each request equals that request decoded alone (``tests/
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -116,14 +117,26 @@ class Batcher:
         self._step()
         return True
 
-    def serve(self, stop: threading.Event) -> None:
-        """Step until ``stop`` is set, sleeping while there is no work (the server's engine thread)."""
+    def serve(self, stop: threading.Event, lock: Any = None) -> None:
+        """Step until ``stop`` is set, sleeping while there is no work (the server's engine thread);
+        each step holds ``lock`` (the target's, shared with whatever else runs on it)."""
+        lock = lock or contextlib.nullcontext()
         while not stop.is_set():
             with self._work:
                 while not self.waiting and not self.running and not stop.is_set():
                     self._work.wait(0.5)
             if not stop.is_set():
-                self.step()
+                with lock:
+                    self.step()
+
+    def abandon(self, error: BaseException) -> None:
+        """End every waiting and running request with ``error`` (the batcher is going away)."""
+        with self._lock:
+            left = list(self.waiting) + self.running
+            self.waiting.clear()
+            self.running = []
+        for request in left:
+            self._finish(request, error)
 
     def stop(self) -> None:
         """Wake ``serve`` (set its ``stop`` event first)."""

@@ -281,7 +281,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = ServeOptions(
         str(model), None if args.draft is None else str(resolve_model_dir(args.draft)), args.policy,
         args.budget or SlotConfig(fraction=0.5), link or LinkConfig(), args.served_model_name, api_key,
-        args.max_queue, args.max_body, template, args.timeout, profile,
+        args.max_queue, args.max_body, template, args.timeout, profile, args.max_batch,
     )
     init_ray(args.address, args.num_cpus, args.connect_timeout)
 

@@ -246,7 +246,7 @@ def _boolean(value: Any, name: str) -> bool:
 def figures(stats: dict[str, Any]) -> dict[str, Any]:
     """Specter's own figures of a finished request (the response's ``specter`` field)."""
     keys = ("tpot_s", "prefill_s", "decode_s", "hit_rate", "recall", "mean_accepted", "rounds", "hits",
-            "inflight", "misses", "bytes_moved", "link_busy_fraction", "policy", "cancelled")
+            "inflight", "misses", "bytes_moved", "link_busy_fraction", "policy", "cancelled", "mean_batch")
     return {k: stats[k] for k in keys if k in stats}
 
 

@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP app: routes, key check, body limit, admission queue, streaming, cancellation.
 
 ``build_app`` makes the FastAPI app that ``specter serve`` puts behind Ray Serve (``actors/serve.py``);
-the engine behind it is a ``Backend`` (there: the replica's verifier actor). The engine runs one
-request at a time; the others wait here in a bounded queue (``max_queue``): past it a request is
+the engine behind it is a ``Backend`` (there: the replica's verifier actor). Requests past what the
+engine runs at once wait here in a bounded queue (``max_queue``): past it a request is
 answered 429 with ``Retry-After`` before anything is read or started. A request whose client goes away
 (a closed stream, a dropped connection) is cancelled at the engine's next round and leaves the queue.
 
 Routes: ``GET /health`` (open), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (with a key set, every ``/v1`` path answers 401 without ``Authorization: Bearer KEY``).
+The engine decodes ``Settings.concurrency`` requests at once (continuously batched for a draft-free
+policy, else 1) and the queue holds the rest.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Settings:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body: int = MAX_BODY
     eos_token_id: int | None = None
+    concurrency: int = 1  # requests the engine decodes at once (batched); the rest wait in the queue
 
 
 def build_app(backend: Backend, settings: Settings, metrics: Metrics | None = None) -> FastAPI:
@@ -175,7 +178,7 @@ class _Server:
     def __init__(self, backend: Backend, settings: Settings, metrics: Metrics):
         self.backend, self.settings, self.metrics = backend, settings, metrics
         self.counts = Counts()
-        self.admission = Admission(1, settings.max_queue, self.counts, metrics)
+        self.admission = Admission(settings.concurrency, settings.max_queue, self.counts, metrics)
 
     async def guarded(self, request: Request, handle: Any) -> Response:
         """The key check, then the handler; an ``ApiError`` becomes its response."""

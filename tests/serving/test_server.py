@@ -138,14 +138,22 @@ def test_models_chat_and_stop(server):
     assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
-def test_sixteen_concurrent_streams_each_equal_their_single_request_text(server):
+def test_sixteen_concurrent_streams_are_batched_and_each_equals_its_single_request_text(server):
     url, _, _ = server
     alone = {p: _complete(url, p, 16) for p in PROMPTS}
 
+    batch_sizes = []
+
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await client.completions.create(model="moe-fine", prompt=prompt, max_tokens=16, temperature=0,
-                                                 stream=True)
-        return "".join([c.choices[0].text async for c in stream if c.choices])
+                                                 stream=True, stream_options={"include_usage": True})
+        pieces = []
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+            else:
+                batch_sizes.append(chunk.model_extra["specter"]["mean_batch"])
+        return "".join(pieces)
 
     async def main() -> list[str]:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=30) as client:
@@ -153,6 +161,7 @@ def test_sixteen_concurrent_streams_each_equal_their_single_request_text(server)
 
     texts = asyncio.run(main())
     assert texts == [alone[PROMPTS[i % 4]] for i in range(16)]
+    assert len(batch_sizes) == 16 and max(batch_sizes) > 2  # decoded together (demand-lru batches)
 
 
 def test_a_burst_of_100_completes_each_exactly_once(server):

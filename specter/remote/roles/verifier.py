@@ -12,6 +12,9 @@ as in process (``specter/remote/shared_store.py`` says why here and not in the t
 is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
 stats; nothing per token crosses Ray. ``stream`` is the same request handing out each round's
 tokens as they commit (the server's streamed responses), and ``cancel`` ends one at its next round.
+Streams of a draft-free policy run continuously batched (``specter/batching.py``): up to ``max_batch``
+of them share each step, on the slot pool as the requests before them left it; a drafting policy's
+streams run one at a time, each from the initial residency as ``generate``'s.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from typing import Any
 
 import msgspec
 
+from specter.batching import Batcher, BatchRequest
 from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
 from specter.models.loader import LoadedModel, build_dense
-from specter.plan import make_policy
+from specter.plan import drafts, make_policy
 from specter.plan.window import WindowChooser
 from specter.protocol import Shutdown, UsePolicy
 from specter.remote.channel import Channel
@@ -51,6 +55,7 @@ log = logging.getLogger(__name__)
 PIPELINED = True  # a request's default: see docs/actors.md, "Pipelined drafting"
 SCHEDULES = ("transfer", "verifier")  # where the policy's schedule runs
 CANCELS_KEPT = 1024
+MAX_BATCH = 8  # streams decoded together (draft-free policies)
 
 
 class VerifierRole:
@@ -73,7 +78,7 @@ class VerifierRole:
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0,
                  link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer",
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_batch: int = MAX_BATCH):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.schedule = schedule
@@ -87,6 +92,11 @@ class VerifierRole:
         self._requests = 0  # requests started since the process started
         self._cancelled: dict[str, None] = {}  # streamed requests asked to stop (cancel): an ordered set
         self._lock = threading.Lock()
+        self._engine_lock = threading.Lock()  # one thread on the target at a time: a request, or a batched step
+        self.max_batch = max_batch
+        self._batcher: Batcher | None = None
+        self._batching: threading.Thread | None = None
+        self._batching_stop = threading.Event()
         self._engine: Engine | None = None  # the running (or last) request's engine
         # K choosers by (policy, pipelined): what a chooser measured survives a rebuild (the schedule
         # moved) and is not mixed between the two modes (a round drafted ahead costs no drafting)
@@ -135,11 +145,12 @@ class VerifierRole:
         self.metrics.set("specter_queue_depth", 1)
         self._requests += 1
         try:
-            if schedule is not None and schedule != self.schedule:
-                self.schedule = schedule
-                self._build(self.policy_name)
-            out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
-                                 eos_token_id, untimed_prefill, pipelined, on_tokens, cancelled)
+            with self._engine_lock:
+                if schedule is not None and schedule != self.schedule:
+                    self.schedule = schedule
+                    self._build(self.policy_name)
+                out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
+                                     eos_token_id, untimed_prefill, pipelined, on_tokens, cancelled)
         except Exception:
             self.metrics.inc("specter_request_errors")
             raise
@@ -155,6 +166,9 @@ class VerifierRole:
         it early). The request runs in a thread of this process while this generator hands its chunks
         out; a generator closed early (its consumer gone) cancels the request and waits for it to end,
         so the next request starts on a quiet engine."""
+        if self.batches(options):
+            yield from self._stream_batched(request_id, prompt_ids, max_new_tokens, **options)
+            return
         chunks: queue.Queue[tuple[str, Any]] = queue.Queue()
         stop = threading.Event()
 
@@ -187,6 +201,77 @@ class VerifierRole:
             worker.join()
             with self._lock:
                 self._cancelled.pop(request_id, None)
+
+    def batches(self, options: dict[str, Any] | None = None) -> bool:
+        """Whether streams run batched: a draft-free policy on a target with the lean step, and no
+        request option that only ``generate`` honours (another policy, a window, a schedule)."""
+        options = options or {}
+        if any(options.get(name) not in (None, self.policy_name if name == "policy" else None)
+               for name in ("policy", "window", "schedule")) or options.get("untimed_prefill"):
+            return False
+        target = self.target
+        return (self.max_batch > 1 and not drafts(self.policy_name) and target is not None
+                and target.lean is not None and target.lean.fused is not None)
+
+    def concurrency(self) -> int:
+        """How many streams the engine decodes at once (1: one at a time)."""
+        return self.max_batch if self.batches() else 1
+
+    def _stream_batched(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                        top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_id: int | None = None,
+                        **ignored: Any) -> Iterator[dict[str, Any]]:
+        chunks: queue.Queue[list[int]] = queue.Queue()
+        stop = threading.Event()
+
+        def cancelled() -> bool:
+            with self._lock:
+                return stop.is_set() or request_id in self._cancelled
+
+        request = BatchRequest(list(prompt_ids), max_new_tokens, SamplingConfig(temperature, top_p, top_k, seed),
+                               eos_token_id, on_tokens=chunks.put, cancelled=cancelled)
+        self._requests += 1
+        try:
+            self._batched().submit(request)
+            while not request.done.is_set() or not chunks.empty():
+                try:
+                    yield {"tokens": chunks.get(timeout=0.05)}
+                except queue.Empty:
+                    continue
+            tokens, stats = request.result(0)
+        except Exception:
+            self.metrics.inc("specter_request_errors")
+            raise
+        finally:
+            stop.set()
+            with self._lock:
+                self._cancelled.pop(request_id, None)
+        out = stats.to_dict()
+        self.metrics.request(out)
+        yield {"tokens": [], "stats": out}
+
+    def _batched(self) -> Batcher:
+        """The batcher of the current target, and the thread that steps it (started on first use)."""
+        with self._lock:
+            if self._batcher is None:
+                assert self.target is not None, "connect() first"
+                self._batcher = Batcher(self.target, self.max_batch)
+                self._batching_stop.clear()
+                self._batching = threading.Thread(target=self._batcher.serve, args=(self._batching_stop,
+                                                  self._engine_lock), name="batcher", daemon=True)
+                self._batching.start()
+            return self._batcher
+
+    def _stop_batching(self) -> None:
+        """Stop the batcher's thread; requests still in it end with an error naming why."""
+        batcher, thread = self._batcher, self._batching
+        if batcher is None or thread is None:
+            return
+        self._batching_stop.set()
+        batcher.stop()
+        if thread is not threading.current_thread():
+            thread.join()
+        batcher.abandon(RuntimeError("the verifier rebuilt its target (another policy or schedule, or closing)"))
+        self._batcher = self._batching = None
 
     def cancel(self, request_id: str) -> None:
         """Ask the streamed request ``request_id`` to end before its next round (answers while it runs;
@@ -235,6 +320,7 @@ class VerifierRole:
 
     def close(self) -> None:
         """Tell the peers to stop, close the sockets and unmap the shared memory."""
+        self._stop_batching()
         for channel in self.channels:
             try:
                 channel.send(Shutdown("verifier closing"), timeout_s=1.0)
@@ -263,6 +349,7 @@ class VerifierRole:
         """A fresh offloaded target for ``policy`` (a policy may hook the model: reload the dense
         parts); in-flight transfers of the old pool land first so that none overwrites a new slot."""
         remote = self.schedule == "transfer" and not make_policy(policy).needs_model
+        self._stop_batching()
         if self.target is not None:
             old = self.target.offload
             for key in old.pool.loading_keys():

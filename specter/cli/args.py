@@ -16,6 +16,7 @@ from specter.plan import OPTIONS, POLICIES, policy_class
 from specter.timing.clock import CLOCKS
 from specter.timing.profiles import PROFILES
 
+DEFAULT_BENCH_PROFILES = "qwen2moe-pcie4,dsv2lite-pcie4"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -289,7 +290,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--prompts", default=None, help="JSONL with a 'prompt' per line (default: shipped held-out)")
     bench.add_argument("--num-prompts", type=positive_int, default=20)
     bench.add_argument("--new-tokens", type=positive_int, default=128)
-    bench.add_argument("--profiles", default="qwen2moe-pcie4,dsv2lite-pcie4",
+    bench.add_argument("--profiles", default=DEFAULT_BENCH_PROFILES,
                        help=f"comma-separated, from: {', '.join(PROFILES)}")
     bench.add_argument("--policies", default=",".join(POLICIES))
     bench.add_argument("--budget", type=_fraction, default=None,
@@ -299,6 +300,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--window", action="append", default=[], metavar="POLICY=K",
                        help="override a policy's K, e.g. --window specter-paper=6 (repeatable; "
                             "for specter the cap of its per-round K)")
+    bench.add_argument("--concurrency", default=None, metavar="N,N,...",
+                       help="instead of the side-by-side table: N concurrent requests (closed-loop clients), "
+                            "continuously batched, for each N given (e.g. 1,2,4,8): throughput, TPOT, TTFT and "
+                            "expert coverage per N (draft-free policies; default policies demand-lru,demand-host, "
+                            "profiles mixtral-pcie4,qwen2moe-pcie4)")
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specter.cli.args import DTYPES
+from specter.cli.args import DEFAULT_BENCH_PROFILES, DTYPES
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
@@ -57,6 +57,9 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specter.eval import bench
     from specter.eval.prompts import load_prompts
+
+    if args.concurrency is not None:
+        return _bench_concurrency(args, parser)
 
     profiles = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in profiles if p not in PROFILES]
@@ -249,6 +252,48 @@ def _through_processes(args, parser, timing, budget, window, sampling):  # type:
                               eos_token_id=_eos(args.model), **options)
     text = str(tokenizer.decode(out["tokens"])) if tokenizer is not None else ""
     return out["tokens"], text, out["stats"]
+
+
+def _bench_concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``specter bench --concurrency 1,2,4,8``: throughput and latency against concurrent requests."""
+    from specter.eval import concurrency
+    from specter.eval.prompts import load_prompts
+
+    try:
+        counts = [int(n) for n in args.concurrency.split(",") if n]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 or n > 64 for n in counts):
+        parser.error(f"argument --concurrency: expected comma-separated counts in 1..64, got {args.concurrency!r}")
+    policies = [p for p in args.policies.split(",") if p]
+    if args.policies == ",".join(POLICIES):  # not given: the draft-free policies that batch
+        policies = ["demand-lru", "demand-host"]
+    profiles = [p for p in args.profiles.split(",") if p]
+    if args.profiles == DEFAULT_BENCH_PROFILES:
+        profiles = ["mixtral-pcie4", "qwen2moe-pcie4"]
+    if args.clock not in ("virtual", "as-built", "wall"):
+        parser.error(f"argument --clock: --concurrency runs on the virtual, as-built or wall clock, not {args.clock}")
+    count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
+    config = concurrency.ConcurrencyConfig(
+        args.model, load_prompts(args.model, args.prompts, count), profiles, policies, sorted(set(counts)), tokens,
+        clock=args.clock, budget=args.budget.fraction if args.budget is not None else None,
+        sampling=_sampling(args, parser))
+    try:
+        concurrency.check(config)
+    except ValueError as exc:
+        parser.error(f"argument {exc}")
+    if args.clock in ("virtual", "as-built") and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    else:
+        torch.set_num_threads(compute_threads(args.threads))
+    results = concurrency.run(config)
+    print(concurrency.table(results))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "concurrency.json").write_text(json.dumps(results, indent=1))
+    (out / "concurrency.md").write_text(concurrency.table(results) + "\n")
+    print(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}")
+    return 0
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,0 +1,150 @@
+"""Throughput and latency against the number of concurrent requests (``specter bench --concurrency``).
+
+For each profile, policy and count N: N clients in a closed loop (each sends its next prompt when its
+last one finishes) over the same prompts, continuously batched on one target (``specter/batching.py``),
+on the run's clock. Reported per count: throughput (tokens per second of the clock), per-request
+TPOT and time to first token (medians), and how much of each MoE layer a step's union of routed
+experts covers, with the floor that coverage puts under a step: whatever of the union the slots
+cannot hold crosses the link every step (``link_floor_s``). The counts are interleaved per policy
+and every policy runs the same prompts from the same initial residency.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from specter.batching import Batcher, BatchRequest
+from specter.config import SamplingConfig
+from specter.eval.bench import BenchConfig, load_target
+from specter.plan import drafts
+from specter.timing.costs import resolve_timing
+from specter.timing.profiles import PROFILES
+
+
+@dataclass
+class ConcurrencyConfig:
+    """What one concurrency run covers."""
+
+    model: str
+    prompts: list[list[int]]
+    profiles: list[str]
+    policies: list[str] = field(default_factory=lambda: ["demand-lru", "demand-host"])
+    counts: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    new_tokens: int = 32
+    requests_per_client: int = 2  # each of the N clients sends this many prompts in turn
+    clock: str = "virtual"
+    budget: float | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+def check(config: ConcurrencyConfig) -> None:
+    """Refuse what this run cannot measure, naming it."""
+    drafting = [p for p in config.policies if drafts(p)]
+    if drafting:
+        raise ValueError(f"--policies: {', '.join(drafting)} draft; concurrent requests are batched for plain "
+                         "decoding only so far (demand-lru, demand-host, ...): speculative rounds run one request at "
+                         "a time (docs/serving.md)")
+    if not config.counts or any(n < 1 for n in config.counts):
+        raise ValueError(f"--concurrency: expected counts >= 1, got {config.counts}")
+    unknown = [p for p in config.profiles if p not in PROFILES]
+    if unknown:
+        raise ValueError(f"--profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
+
+
+def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
+    """``{"profiles": {profile: {policy: {count: figures}}}, ...}``."""
+    check(config)
+    out: dict[str, Any] = {"clock": config.clock, "counts": config.counts, "new_tokens": config.new_tokens,
+                           "requests_per_client": config.requests_per_client, "profiles": {}}
+    for name in config.profiles:
+        timing = resolve_timing(config.model, config.clock, name)
+        profile = PROFILES[name]
+        bench = BenchConfig(config.model, "", config.prompts, [name], budget=config.budget)
+        rows: dict[str, dict[int, dict[str, float]]] = {p: {} for p in config.policies}
+        targets = {p: load_target(bench, timing, profile, p) for p in config.policies}
+        try:
+            for count in config.counts:
+                for policy in config.policies:  # interleaved: machine noise (wall clock) hits every policy alike
+                    target = targets[policy]
+                    target.offload.reset_residency()
+                    rows[policy][count] = _measure(target, config, count)
+                    if progress:
+                        r = rows[policy][count]
+                        print(f"  [{name}] {policy:12s} N={count:<3d} {r['tokens_per_s']:10.1f} tok/s  "
+                              f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  TTFT {r['ttft_s'] * 1e3:8.2f} ms  "
+                              f"coverage {r['coverage']:.2f}", flush=True)
+        finally:
+            for target in targets.values():
+                target.close()
+        out["profiles"][name] = {"rho": timing.rho, "rows": rows}
+    return out
+
+
+def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, float]:
+    """N closed-loop clients on one batcher; the figures of every request they sent."""
+    batcher = Batcher(target, max_batch=count)
+    total = count * config.requests_per_client
+    pending = deque(BatchRequest(config.prompts[i % len(config.prompts)], config.new_tokens, config.sampling)
+                    for i in range(total))
+    sent: list[BatchRequest] = []
+
+    def send() -> None:
+        request = pending.popleft()
+        sent.append(request)
+        batcher.submit(request)
+
+    coverage: list[float] = []
+    experts = target.loaded.num_experts
+    start_wall, start = time.perf_counter(), target.clock.now()
+    for _ in range(min(count, total)):
+        send()
+    while True:
+        stepped = batcher.step()
+        if stepped and batcher.running:
+            needed = target.offload.last_needed
+            coverage.append(statistics.fmean(len(ids) / experts for ids in needed.values()) if needed else 0.0)
+        finished = sum(r.done.is_set() for r in sent)
+        while pending and len(sent) - finished < count:
+            send()
+        if not stepped and not pending and batcher.idle():
+            break
+    elapsed = target.clock.now() - start
+    results = [r.result(0) for r in sent]
+    tokens = sum(len(t) for t, _ in results)
+    slots = target.offload.pool.num_slots / max(1, len(target.loaded.moe_layers))
+    cover = statistics.fmean(coverage) if coverage else 0.0
+    missing = max(0.0, cover * experts - slots) * len(target.loaded.moe_layers)
+    link = target.link
+    return {
+        "requests": len(results), "tokens": tokens, "seconds": elapsed, "wall_s": time.perf_counter() - start_wall,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "tpot_s": statistics.median(s.tpot_s for _, s in results),
+        "ttft_s": statistics.median(s.extra["ttft_s"] for _, s in results),
+        "mean_batch": statistics.fmean(s.extra["mean_batch"] for _, s in results),
+        "coverage": cover, "hit_rate": statistics.fmean(s.hit_rate for _, s in results),
+        "link_floor_s": missing * target.offload.store.shape.nbytes / link.bandwidth if hasattr(link, "bandwidth") else 0.0,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: per profile, policy and count: throughput (and × one request), TPOT, TTFT, coverage."""
+    lines = [f"clock: {results['clock']}, {results['new_tokens']} new tokens a request, "
+             f"{results['requests_per_client']} requests per client"]
+    for name, block in results["profiles"].items():
+        rho = f", rho {block['rho']:.1f}" if block.get("rho") else ""
+        lines += ["", f"### {name}{rho}", "",
+                  "| policy | N | tokens/s | × N=1 | TPOT ms | × N=1 | TTFT ms | mean batch | experts covered | "
+                  "link floor ms/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for policy, rows in block["rows"].items():
+            one = rows.get(min(rows))
+            for count, r in sorted(rows.items()):
+                lines.append(
+                    f"| {policy} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
+                    f"{r['tpot_s'] * 1e3:.2f} | {r['tpot_s'] / one['tpot_s']:.2f} | {r['ttft_s'] * 1e3:.2f} | "
+                    f"{r['mean_batch']:.1f} | {r['coverage']:.0%} | {r['link_floor_s'] * 1e3:.2f} |")
+    return "\n".join(lines)

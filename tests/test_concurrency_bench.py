@@ -1,0 +1,49 @@
+"""``specter bench --concurrency``: closed-loop clients batched on one target, figures that add up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specter.cli import main as specter_main
+from specter.eval import concurrency
+
+PROMPTS = [[3, 17, 25, 9], [5, 6, 7], [40, 41, 2, 8, 11], [90, 1]]
+
+
+def test_every_request_is_counted_and_batches_never_exceed_n(tiny_dir):
+    folder = tiny_dir("qwen2_moe")
+    config = concurrency.ConcurrencyConfig(str(folder), PROMPTS, ["qwen2moe-pcie4"], ["demand-lru", "demand-host"],
+                                           [1, 3], new_tokens=6, requests_per_client=2)
+    results = concurrency.run(config, progress=False)
+    rows = results["profiles"]["qwen2moe-pcie4"]["rows"]
+    for policy in ("demand-lru", "demand-host"):
+        one, three = rows[policy][1], rows[policy][3]
+        assert one["requests"] == 2 and three["requests"] == 6
+        assert one["tokens"] == 2 * 6 and three["tokens"] == 6 * 6
+        assert one["mean_batch"] == 1.0 and 1.0 < three["mean_batch"] <= 3.0
+        assert three["coverage"] >= one["coverage"] > 0  # more requests, more of each layer's experts per step
+        assert one["tokens_per_s"] == pytest.approx(one["tokens"] / one["seconds"])
+    table = concurrency.table(results)
+    assert "| demand-host | 3 |" in table and "× N=1" in table
+
+
+def test_drafting_policies_and_bad_counts_are_refused_by_name(tiny_dir, capsys):
+    folder = tiny_dir("qwen2_moe")
+    with pytest.raises(ValueError, match="specter draft"):
+        concurrency.check(concurrency.ConcurrencyConfig(str(folder), PROMPTS, ["qwen2moe-pcie4"], ["specter"]))
+    with pytest.raises(SystemExit) as exited:
+        specter_main(["bench", "--model", str(folder), "--concurrency", "0,2"])
+    assert exited.value.code == 2 and "--concurrency" in capsys.readouterr().err
+
+
+def test_the_command_writes_its_table_and_json(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "import os", "class A:"]))
+    code = specter_main(["bench", "--concurrency", "1,2", "--profiles", "qwen2moe-pcie4",  # the embedded model
+                         "--num-prompts", "3", "--new-tokens", "4", "--prompts", str(prompts), "--out", str(tmp_path)])
+    assert code == 0
+    saved = json.loads((tmp_path / "concurrency.json").read_text())
+    assert set(saved["profiles"]["qwen2moe-pcie4"]["rows"]) == {"demand-lru", "demand-host"}
+    assert "qwen2moe-pcie4" in capsys.readouterr().out

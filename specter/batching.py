@@ -4,9 +4,11 @@ Each request has its own KV cache, sampling and generator; every step takes the 
 running request in one target pass (``OffloadedTarget.forward_batch``): the dense parts and each MoE
 layer run once over all their positions, so an expert that several requests need is fetched and
 computed once for all of them, and the slot pool's residency (the policy's choices) serves them all.
-A request that arrives joins at the next step, after its prompt's prefill — one prefill per step, so
-the running requests wait at most one prompt's work. A finished or cancelled request leaves at once,
-its cache dropped.
+A request that arrives joins at the next step and feeds its prompt ``prefill_chunk`` tokens a step,
+batched with the others' tokens (chunked prefill; one joining request at a time), so a long prompt
+never stalls the running requests for more than a few tokens' worth of work a step — on an
+offloaded model a prompt's tokens route to most experts, and a whole prompt in one pass would hold
+the link for many steps. A finished or cancelled request leaves at once, its cache dropped.
 
 Plain decoding only: the draft-free policies (``demand-lru``, ``demand-host``, …). Speculative
 rounds, whose windows differ per request, are not batched yet (``Engine`` runs them one request at a
@@ -31,6 +33,7 @@ from specter.target import OffloadedTarget
 from specter.timing.dispatch import flush_reads, host_read
 from specter.verify.sampling import choose
 
+PREFILL_CHUNK = 4  # a joining prompt's tokens per step: a step's worth of extra work for the others
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
 
@@ -54,6 +57,7 @@ class BatchRequest:
     generator: torch.Generator | None = None
     arrived_s: float = 0.0
     commits: list[float] = field(default_factory=list)
+    fed: int = 0  # prompt tokens in the cache
     batch_sizes: list[int] = field(default_factory=list)
     before: tuple[Any, ...] = ()
 
@@ -73,11 +77,15 @@ class Batcher:
     Args:
         target: the offloaded target (its lean step: mixtral, qwen2_moe, qwen3_moe).
         max_batch: requests decoded together at most; more wait in arrival order.
+        prefill_chunk: prompt tokens a joining request feeds per step (one joining request at a time).
     """
 
-    def __init__(self, target: OffloadedTarget, max_batch: int = 8):
+    def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if target.lean is None or target.lean.fused is None:
             raise ValueError(f"batching needs the lean step; this target is {target.loaded.family.model_type}")
         if drafts(target.offload.policy.name):
@@ -105,10 +113,12 @@ class Batcher:
             return not self.waiting and not self.running
 
     def step(self) -> bool:
-        """Admit one waiting request (its prefill) while there is room, then one step of every running
-        request; False when there was nothing to do."""
+        """Admit a waiting request while there is room (none while another's prompt is still being fed),
+        then one step of every running request; False when there was nothing to do."""
         with self._lock:
-            request = self.waiting.popleft() if self.waiting and len(self.running) < self.max_batch else None
+            prefilling = any(r.fed < len(r.prompt_ids) for r in self.running)
+            request = (self.waiting.popleft() if self.waiting and len(self.running) < self.max_batch
+                       and not prefilling else None)
         if request is not None:
             self._admit(request)
         self._drop_cancelled()
@@ -153,35 +163,35 @@ class Batcher:
 
     # -- the work ----------------------------------------------------------------------------------------
     def _admit(self, request: BatchRequest) -> None:
-        """The prompt's prefill, alone; its first token commits and it joins the next step."""
-        try:
-            request.before = (self.target.offload.counters.snapshot(), _link_state(self.target))
-            request.generator = torch.Generator().manual_seed(request.sampling.seed)
-            request.cache = self.target.new_cache(batched=True)
-            logits = self.target.forward(torch.tensor([request.prompt_ids]), request.cache)
-            token = choose(logits[0, -1], request.sampling, request.generator)
-            flush_reads()
-        except BaseException as exc:
-            self._finish(request, exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        self._commit(request, token)
-        if not self._finished(request):
-            self.running.append(request)
+        """A new request joins the running ones; its prompt is fed ``prefill_chunk`` tokens a step."""
+        request.before = (self.target.offload.counters.snapshot(), _link_state(self.target))
+        request.generator = torch.Generator().manual_seed(request.sampling.seed)
+        request.cache = self.target.new_cache(batched=True)
+        request.fed = 0
+        self.running.append(request)
+
+    def _rows(self, request: BatchRequest) -> list[int]:
+        """What ``request`` puts in this step: its prompt's next chunk, or its last token."""
+        if request.fed < len(request.prompt_ids):
+            return request.prompt_ids[request.fed:request.fed + self.prefill_chunk]
+        return request.tokens[-1:]
 
     def _step(self) -> None:
         batch = list(self.running)
+        rows = [self._rows(r) for r in batch]
         self.policy.begin_round(self.steps)
-        self.policy.begin_verify(self.steps, len(batch))
+        self.policy.begin_verify(self.steps, sum(len(x) for x in rows))
         try:
-            logits = self.target.forward_batch([torch.tensor([[r.tokens[-1]]]) for r in batch],
-                                               [r.cache for r in batch])
-            rows = torch.cat([x[0, -1:] for x in logits])
-            greedy = [r.sampling.greedy for r in batch]
-            chosen = host_read(torch.argmax(rows, dim=-1)) if any(greedy) else [0] * len(batch)
-            tokens = [int(chosen[i]) if greedy[i] else choose(rows[i], r.sampling, r.generator)
-                      for i, r in enumerate(batch)]
+            logits = self.target.forward_batch([torch.tensor([x]) for x in rows], [r.cache for r in batch])
+            for request, x in zip(batch, rows, strict=True):
+                if request.fed < len(request.prompt_ids):
+                    request.fed += len(x)
+            deciding = [i for i, r in enumerate(batch) if r.fed >= len(r.prompt_ids)]  # a token comes out
+            last = torch.cat([logits[i][0, -1:] for i in deciding]) if deciding else None
+            greedy = [batch[i].sampling.greedy for i in deciding]
+            chosen = host_read(torch.argmax(last, dim=-1)) if last is not None and any(greedy) else []
+            tokens = [int(chosen[j]) if greedy[j] else choose(last[j], batch[i].sampling, batch[i].generator)
+                      for j, i in enumerate(deciding)] if last is not None else []
             flush_reads()
         except BaseException as exc:  # the step failed: every request in it ends with the error
             for request in batch:
@@ -193,10 +203,12 @@ class Batcher:
         true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
         self.policy.end_round(self.steps, 0, true)
         self.steps += 1
-        for request, token in zip(batch, tokens, strict=True):
-            request.batch_sizes.append(len(batch))
+        for i, token in zip(deciding, tokens, strict=True):
+            request = batch[i]
+            if request.tokens:  # a decode step (the first token comes out of the prompt's last chunk)
+                request.batch_sizes.append(len(batch))
             self._commit(request, token)
-        self.running = [r for r in self.running if not self._finished(r)]
+        self.running = [r for r in self.running if not (r.tokens and self._finished(r))]
 
     def _commit(self, request: BatchRequest, token: int) -> None:
         request.tokens.append(token)

@@ -52,6 +52,37 @@ def test_sampled_requests_draw_as_they_would_alone(tiny_dir):
     assert [tokens for tokens, _ in batched] == alone
 
 
+def test_a_joining_prompt_is_fed_a_chunk_per_step_beside_the_running_requests(tiny_dir):
+    """A long prompt joins a running request: each step carries at most ``prefill_chunk`` of its tokens
+    besides the running request's one, and both come out as they would alone."""
+    folder = tiny_dir("qwen3_moe")
+    target = _target(folder)
+    long_prompt = [(7 * i + 3) % 120 for i in range(40)]
+    try:
+        alone = [Engine(target).generate(p, 10)[0] for p in (PROMPTS[0], long_prompt)]
+        batcher = Batcher(target, max_batch=2, prefill_chunk=6)
+        running = batcher.submit(BatchRequest(PROMPTS[0], 10))
+        while not running.tokens:
+            batcher.step()
+        joining = batcher.submit(BatchRequest(long_prompt, 10))
+        positions = []
+        original = target.forward_batch
+
+        def counted(inputs, caches):
+            positions.append([x.shape[1] for x in inputs])
+            return original(inputs, caches)
+
+        target.forward_batch = counted  # type: ignore[method-assign]
+        while batcher.step():
+            pass
+    finally:
+        target.close()
+    assert running.result(0)[0] == alone[0] and joining.result(0)[0] == alone[1]
+    fed = [p for p in positions if len(p) == 2]
+    assert fed[:7] == [[1, 6]] * 6 + [[1, 4]]  # 40 prompt tokens, 6 a step, beside the running request's one
+    assert len(running.tokens) == 10
+
+
 def test_requests_join_and_leave_mid_run_and_a_cancelled_one_frees_its_place(tiny_dir):
     folder = tiny_dir("mixtral")
     target = _target(folder, budget=0.25)
@@ -87,7 +118,7 @@ def test_a_step_reads_the_device_once_for_all_its_greedy_tokens(tiny_dir):
     try:
         batcher = Batcher(target, max_batch=4)
         requests = [batcher.submit(BatchRequest(p, 8)) for p in PROMPTS[:4]]
-        for _ in range(4):  # the prefills
+        while len(batcher.running) < 4 or any(not r.tokens for r in requests):  # the prompts, chunk by chunk
             batcher.step()
         with DispatchCount() as counted:
             assert batcher.step()
@@ -97,6 +128,7 @@ def test_a_step_reads_the_device_once_for_all_its_greedy_tokens(tiny_dir):
     finally:
         target.close()
     assert counted.reads == 1  # the four tokens (the resident layers' routing rides along)
+    assert all(len(r.tokens) == 8 for r in requests)
     assert all(len(r.result(0)[0]) == 8 for r in requests)
 
 

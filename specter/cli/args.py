@@ -305,6 +305,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "continuously batched, for each N given (e.g. 1,2,4,8): throughput, TPOT, TTFT and "
                             "expert coverage per N (draft-free policies; default policies demand-lru,demand-host, "
                             "profiles mixtral-pcie4,qwen2moe-pcie4)")
+    bench.add_argument("--prefill-chunk", type=positive_int, default=4,
+                       help="with --concurrency: prompt tokens a joining request feeds per step (default 4; a large "
+                            "value prefills a prompt in one pass, stalling the running requests meanwhile)")
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",

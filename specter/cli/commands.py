@@ -277,7 +277,7 @@ def _bench_concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser
     config = concurrency.ConcurrencyConfig(
         args.model, load_prompts(args.model, args.prompts, count), profiles, policies, sorted(set(counts)), tokens,
         clock=args.clock, budget=args.budget.fraction if args.budget is not None else None,
-        sampling=_sampling(args, parser))
+        sampling=_sampling(args, parser), prefill_chunk=args.prefill_chunk)
     try:
         concurrency.check(config)
     except ValueError as exc:

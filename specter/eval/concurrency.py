@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from specter.batching import Batcher, BatchRequest
+from specter.batching import PREFILL_CHUNK, Batcher, BatchRequest
 from specter.config import SamplingConfig
 from specter.eval.bench import BenchConfig, load_target
 from specter.plan import drafts
@@ -39,6 +39,7 @@ class ConcurrencyConfig:
     clock: str = "virtual"
     budget: float | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prefill_chunk: int = PREFILL_CHUNK
 
 
 def check(config: ConcurrencyConfig) -> None:
@@ -59,7 +60,8 @@ def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
     """``{"profiles": {profile: {policy: {count: figures}}}, ...}``."""
     check(config)
     out: dict[str, Any] = {"clock": config.clock, "counts": config.counts, "new_tokens": config.new_tokens,
-                           "requests_per_client": config.requests_per_client, "profiles": {}}
+                           "requests_per_client": config.requests_per_client, "prefill_chunk": config.prefill_chunk,
+                           "profiles": {}}
     for name in config.profiles:
         timing = resolve_timing(config.model, config.clock, name)
         profile = PROFILES[name]
@@ -86,7 +88,7 @@ def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
 
 def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, float]:
     """N closed-loop clients on one batcher; the figures of every request they sent."""
-    batcher = Batcher(target, max_batch=count)
+    batcher = Batcher(target, max_batch=count, prefill_chunk=config.prefill_chunk)
     total = count * config.requests_per_client
     pending = deque(BatchRequest(config.prompts[i % len(config.prompts)], config.new_tokens, config.sampling)
                     for i in range(total))
@@ -133,7 +135,7 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, fl
 def table(results: dict[str, Any]) -> str:
     """Markdown: per profile, policy and count: throughput (and × one request), TPOT, TTFT, coverage."""
     lines = [f"clock: {results['clock']}, {results['new_tokens']} new tokens a request, "
-             f"{results['requests_per_client']} requests per client"]
+             f"{results['requests_per_client']} requests per client, prompts fed {results['prefill_chunk']} tokens a step"]
     for name, block in results["profiles"].items():
         rho = f", rho {block['rho']:.1f}" if block.get("rho") else ""
         lines += ["", f"### {name}{rho}", "",

@@ -3,7 +3,8 @@
 For each profile, policy and count N: N clients in a closed loop (each sends its next prompt when its
 last one finishes) over the same prompts, continuously batched on one target (``specter/batching.py``),
 on the run's clock. Reported per count: throughput (tokens per second of the clock), per-request
-TPOT and time to first token (medians), and how much of each MoE layer a step's union of routed
+TPOT and time to first token (medians), the 99th percentile of the gaps between a request's tokens
+(what a joining prompt's prefill stalls), and how much of each MoE layer a step's union of routed
 experts covers, with the floor that coverage puts under a step: whatever of the union the slots
 cannot hold crosses the link every step (``link_floor_s``). The counts are interleaved per policy
 and every policy runs the same prompts from the same initial residency.
@@ -121,7 +122,9 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, fl
     cover = statistics.fmean(coverage) if coverage else 0.0
     missing = max(0.0, cover * experts - slots) * len(target.loaded.moe_layers)
     link = target.link
+    gaps = sorted(b - a for r in sent for a, b in zip(r.commits, r.commits[1:], strict=False))
     return {
+        "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0,
         "requests": len(results), "tokens": tokens, "seconds": elapsed, "wall_s": time.perf_counter() - start_wall,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "tpot_s": statistics.median(s.tpot_s for _, s in results),
@@ -139,14 +142,15 @@ def table(results: dict[str, Any]) -> str:
     for name, block in results["profiles"].items():
         rho = f", rho {block['rho']:.1f}" if block.get("rho") else ""
         lines += ["", f"### {name}{rho}", "",
-                  "| policy | N | tokens/s | × N=1 | TPOT ms | × N=1 | TTFT ms | mean batch | experts covered | "
+                  "| policy | N | tokens/s | × N=1 | TPOT ms | × N=1 | p99 gap ms | TTFT ms | mean batch | experts covered | "
                   "link floor ms/step |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for policy, rows in block["rows"].items():
             one = rows.get(min(rows))
             for count, r in sorted(rows.items()):
                 lines.append(
                     f"| {policy} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
-                    f"{r['tpot_s'] * 1e3:.2f} | {r['tpot_s'] / one['tpot_s']:.2f} | {r['ttft_s'] * 1e3:.2f} | "
+                    f"{r['tpot_s'] * 1e3:.2f} | {r['tpot_s'] / one['tpot_s']:.2f} | {r['itl_p99_s'] * 1e3:.1f} | "
+                    f"{r['ttft_s'] * 1e3:.2f} | "
                     f"{r['mean_batch']:.1f} | {r['coverage']:.0%} | {r['link_floor_s'] * 1e3:.2f} |")
     return "\n".join(lines)

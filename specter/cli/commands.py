@@ -292,7 +292,8 @@ def _bench_concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps(results, indent=1))
     (out / "concurrency.md").write_text(concurrency.table(results) + "\n")
-    print(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}")
+    concurrency.plot(results, out / "concurrency.png")
+    print(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}, {out / 'concurrency.png'}")
     return 0
 
 

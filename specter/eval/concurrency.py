@@ -16,6 +16,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specter.batching import PREFILL_CHUNK, Batcher, BatchRequest
@@ -133,6 +134,37 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, fl
         "coverage": cover, "hit_rate": statistics.fmean(s.hit_rate for _, s in results),
         "link_floor_s": missing * target.offload.store.shape.nbytes / link.bandwidth if hasattr(link, "bandwidth") else 0.0,
     }
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Throughput and TPOT against N, one panel pair per profile, × one request (matplotlib, PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["profiles"])
+    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 6.5), squeeze=False)
+    for col, name in enumerate(names):
+        for policy, rows in results["profiles"][name]["rows"].items():
+            by_n = {int(n): row for n, row in rows.items()}  # int keys in a run, strings once saved as JSON
+            counts = sorted(by_n)
+            one = by_n[counts[0]]
+            axes[0][col].plot(counts, [by_n[n]["tokens_per_s"] / one["tokens_per_s"] for n in counts], "o-",
+                              label=policy)
+            axes[1][col].plot(counts, [by_n[n]["tpot_s"] / one["tpot_s"] for n in counts], "o-", label=policy)
+        axes[0][col].set_title(f"{name} ({results['clock']} clock)")
+        axes[0][col].set_ylabel("throughput, × one request")
+        axes[1][col].set_ylabel("TPOT, × one request")
+        axes[1][col].set_xlabel("concurrent requests N")
+        for row in axes:
+            row[col].axhline(1.0, color="grey", lw=0.8)
+            row[col].set_xscale("log", base=2)
+            row[col].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def table(results: dict[str, Any]) -> str:

@@ -10,14 +10,21 @@ never stalls the running requests for more than a few tokens' worth of work a st
 offloaded model a prompt's tokens route to most experts, and a whole prompt in one pass would hold
 the link for many steps. A finished or cancelled request leaves at once, its cache dropped.
 
-Plain decoding only: the draft-free policies (``demand-lru``, ``demand-host``, …). Speculative
-rounds, whose windows differ per request, are not batched yet (``Engine`` runs them one request at a
-time). Greedy output of each request equals that request decoded alone (``tests/test_batching.py``).
+With a draft (a drafting policy such as ``specter``), each step is a speculative round for every
+decoding request: each request's own draft (a ``LocalProposer``: its own draft cache and generator,
+the draft model's weights shared) proposes up to K tokens, their routing going to the policy as plans
+as the engine's rounds do, so the schedule sees what every running request will need; then one
+target pass verifies every request's window together, and each request accepts (greedy: the target's
+argmax, one read for the whole batch; sampled: exact rejection sampling, per request) and rolls back
+its own caches. K is fixed per run (the policy's or the caller's); the per-round K chooser and
+pipelined drafting of ``Engine`` are not used here. Greedy output of each request equals that request
+decoded alone, and transformers' ``generate`` (``tests/test_batching.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -28,11 +35,14 @@ import torch
 
 from specter.config import SamplingConfig
 from specter.plan import drafts
+from specter.proposer import LocalProposer
 from specter.stats import RequestStats
-from specter.target import OffloadedTarget
+from specter.target import OffloadedTarget, crop_cache
 from specter.timing.dispatch import flush_reads, host_read
-from specter.verify.sampling import choose
+from specter.verify.accept import accept_sampled
+from specter.verify.sampling import choose, coupled_draw, probabilities
 
+BATCHED_K = 8  # K of an adaptive policy's batched rounds (the per-round chooser is not used when batching)
 PREFILL_CHUNK = 4  # a joining prompt's tokens per step: a step's worth of extra work for the others
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
@@ -58,6 +68,8 @@ class BatchRequest:
     arrived_s: float = 0.0
     commits: list[float] = field(default_factory=list)
     fed: int = 0  # prompt tokens in the cache
+    proposer: Any = None  # its draft (speculative rounds)
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
     batch_sizes: list[int] = field(default_factory=list)
     before: tuple[Any, ...] = ()
 
@@ -78,9 +90,12 @@ class Batcher:
         target: the offloaded target (its lean step: mixtral, qwen2_moe, qwen3_moe).
         max_batch: requests decoded together at most; more wait in arrival order.
         prefill_chunk: prompt tokens a joining request feeds per step (one joining request at a time).
+        draft: the draft model (``DraftModel``) for a drafting policy's speculative rounds.
+        window: K, draft tokens per round (default: the policy's).
     """
 
-    def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
+                 draft: Any = None, window: int | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -88,8 +103,16 @@ class Batcher:
         self.prefill_chunk = prefill_chunk
         if target.lean is None or target.lean.fused is None:
             raise ValueError(f"batching needs the lean step; this target is {target.loaded.family.model_type}")
-        if drafts(target.offload.policy.name):
-            raise ValueError(f"batching: plain decoding only; policy {target.offload.policy.name} drafts")
+        policy = target.offload.policy
+        if drafts(policy.name) and draft is None:
+            raise ValueError(f"batching: policy {policy.name} drafts; give the draft model (draft=)")
+        self.draft = draft
+        if window is None:  # the policy's K; an adaptive policy's default is a cap for its chooser, unused here
+            window = BATCHED_K if policy.adaptive_window else policy.default_window
+        self.window = 0 if draft is None else window
+        if draft is not None and not 1 <= self.window <= 64:
+            raise ValueError(f"window: K must lie in 1..64 for speculative rounds, got {self.window}")
+        policy.window = self.window
         self.target, self.max_batch = target, max_batch
         self.clock = target.clock
         self.policy = target.offload.policy
@@ -101,7 +124,7 @@ class Batcher:
 
     def submit(self, request: BatchRequest) -> BatchRequest:
         """Queue ``request`` (checked first: a bad one raises here, nothing queued)."""
-        _check(self.target, request)
+        _check(self.target, request, self.window)
         request.arrived_s = self.clock.now()
         with self._work:
             self.waiting.append(request)
@@ -168,30 +191,34 @@ class Batcher:
         request.generator = torch.Generator().manual_seed(request.sampling.seed)
         request.cache = self.target.new_cache(batched=True)
         request.fed = 0
+        if self.draft is not None:
+            request.proposer = LocalProposer(self.draft, self.clock)
+            request.proposer.prefill(request.prompt_ids, request.sampling)  # the draft is resident: one pass
         self.running.append(request)
 
-    def _rows(self, request: BatchRequest) -> list[int]:
-        """What ``request`` puts in this step: its prompt's next chunk, or its last token."""
+    def _rows(self, request: BatchRequest) -> tuple[list[int], list[int], list[Any]]:
+        """What ``request`` puts in this step — its prompt's next chunk, or its last token and the draft
+        tokens of this round — and those drafts with their distributions (sampled)."""
         if request.fed < len(request.prompt_ids):
-            return request.prompt_ids[request.fed:request.fed + self.prefill_chunk]
-        return request.tokens[-1:]
+            return request.prompt_ids[request.fed:request.fed + self.prefill_chunk], [], []
+        k = min(self.window, request.max_new_tokens - len(request.tokens) - 1)
+        if request.proposer is None or k <= 0:
+            return request.tokens[-1:], [], []
+        seq = request.prompt_ids + request.tokens
+        drafted, qs = request.proposer.propose(self.steps, seq, k, self.policy.on_plan, self.policy.route_last_draft)
+        return request.tokens[-1:] + drafted, drafted, qs
 
     def _step(self) -> None:
         batch = list(self.running)
-        rows = [self._rows(r) for r in batch]
         self.policy.begin_round(self.steps)
-        self.policy.begin_verify(self.steps, sum(len(x) for x in rows))
         try:
-            logits = self.target.forward_batch([torch.tensor([x]) for x in rows], [r.cache for r in batch])
-            for request, x in zip(batch, rows, strict=True):
+            rows = [self._rows(r) for r in batch]
+            self.policy.begin_verify(self.steps, sum(len(x) for x, _, _ in rows))
+            logits = self.target.forward_batch([torch.tensor([x]) for x, _, _ in rows], [r.cache for r in batch])
+            for request, (x, _, _) in zip(batch, rows, strict=True):
                 if request.fed < len(request.prompt_ids):
                     request.fed += len(x)
-            deciding = [i for i, r in enumerate(batch) if r.fed >= len(r.prompt_ids)]  # a token comes out
-            last = torch.cat([logits[i][0, -1:] for i in deciding]) if deciding else None
-            greedy = [batch[i].sampling.greedy for i in deciding]
-            chosen = host_read(torch.argmax(last, dim=-1)) if last is not None and any(greedy) else []
-            tokens = [int(chosen[j]) if greedy[j] else choose(last[j], batch[i].sampling, batch[i].generator)
-                      for j, i in enumerate(deciding)] if last is not None else []
+            new = self._accept(batch, rows, logits)
             flush_reads()
         except BaseException as exc:  # the step failed: every request in it ends with the error
             for request in batch:
@@ -201,20 +228,67 @@ class Batcher:
                 raise
             return
         true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
-        self.policy.end_round(self.steps, 0, true)
+        accepted = [len(tokens) - 1 for tokens in new.values() if tokens]
+        self.policy.end_round(self.steps, round(statistics.fmean(accepted)) if accepted else 0, true)
         self.steps += 1
-        for i, token in zip(deciding, tokens, strict=True):
+        for i, tokens in new.items():
             request = batch[i]
             if request.tokens:  # a decode step (the first token comes out of the prompt's last chunk)
                 request.batch_sizes.append(len(batch))
-            self._commit(request, token)
+                if rows[i][1]:
+                    request.accepted.append(len(tokens) - 1)
+            room = request.max_new_tokens - len(request.tokens)
+            committed = tokens[:room]
+            if request.eos_token_id is not None and request.eos_token_id in committed:
+                committed = committed[:committed.index(request.eos_token_id) + 1]
+            self._commit(request, committed)
         self.running = [r for r in self.running if not (r.tokens and self._finished(r))]
 
-    def _commit(self, request: BatchRequest, token: int) -> None:
-        request.tokens.append(token)
-        request.commits.append(self.clock.now())
+    def _accept(self, batch: list[BatchRequest], rows: list[tuple[list[int], list[int], list[Any]]],
+                logits: list[torch.Tensor]) -> dict[int, list[int]]:
+        """Per request that makes tokens this step: what it commits (accepted drafts, then the target's
+        token), its caches rolled back to them. Greedy choices come in one read for the whole batch."""
+        deciding = [i for i, r in enumerate(batch) if r.fed >= len(r.prompt_ids)]
+        greedy = [i for i in deciding if batch[i].sampling.greedy]
+        choices: dict[int, list[int]] = {}
+        if greedy:
+            spans = [len(rows[i][1]) + 1 for i in greedy]  # a prompt's last chunk: its last row only
+            flat = host_read(torch.argmax(torch.cat([logits[i][0, -n:] for i, n in zip(greedy, spans,
+                                                                                         strict=True)]), dim=-1))
+            start = 0
+            for i, n in zip(greedy, spans, strict=True):
+                choices[i], start = [int(t) for t in flat[start:start + n]], start + n
+        new: dict[int, list[int]] = {}
+        for i in deciding:
+            request, (_, drafted, qs) = batch[i], rows[i]
+            if i in choices:
+                n = 0
+                while n < len(drafted) and choices[i][n] == drafted[n]:
+                    n += 1
+                token = choices[i][n]
+            elif drafted:
+                assert request.generator is not None
+                position = len(request.prompt_ids) + len(request.tokens) + len(drafted)  # as the engine's round
+
+                def bonus(p: torch.Tensor, seed: int = request.sampling.seed, at: int = position) -> int:
+                    return coupled_draw(p, seed, at)
+
+                n, token = accept_sampled(probabilities(logits[i][0], request.sampling), torch.stack(qs), drafted,
+                                          request.generator, bonus)
+            else:
+                n, token = 0, choose(logits[i][0, -1], request.sampling, request.generator)
+            if drafted:
+                keep = len(request.prompt_ids) + len(request.tokens) + n
+                crop_cache(request.cache, keep)
+                request.proposer.rollback(keep)
+            new[i] = drafted[:n] + [token]
+        return new
+
+    def _commit(self, request: BatchRequest, tokens: list[int]) -> None:
+        request.tokens += tokens
+        request.commits += [self.clock.now()] * len(tokens)
         if request.on_tokens is not None:
-            request.on_tokens([token])
+            request.on_tokens(list(tokens))
 
     def _finished(self, request: BatchRequest) -> bool:
         if len(request.tokens) >= request.max_new_tokens or request.tokens[-1] == request.eos_token_id:
@@ -248,13 +322,14 @@ class Batcher:
             hits=counters.hits, inflight=counters.inflight, misses=counters.misses, hit_rate=counters.hit_rate,
             wait_s=counters.wait_s, bytes_moved=int(moved), link_busy_s=float(busy),
             link_busy_fraction=float(busy) / total if total > 0 else 0.0, transfers=int(transfers),
-            extra={"clock": self.clock.name, "policy": self.policy.name, "window": 0, "rounds": 0,
-                   "mean_accepted": 0.0, "cancelled": cancelled, "ttft_s": commits[0] - request.arrived_s,
+            extra={"clock": self.clock.name, "policy": self.policy.name, "window": self.window,
+                   "rounds": len(request.accepted), "cancelled": cancelled,
+                   "mean_accepted": statistics.fmean(request.accepted) if request.accepted else 0.0, "ttft_s": commits[0] - request.arrived_s,
                    "mean_batch": sum(sizes) / len(sizes) if sizes else 1.0},
         )
 
 
-def _check(target: OffloadedTarget, request: BatchRequest) -> None:
+def _check(target: OffloadedTarget, request: BatchRequest, window: int = 0) -> None:
     """What ``Engine`` refuses, refused the same way (naming the field)."""
     config = target.model.config
     if not request.prompt_ids:
@@ -264,10 +339,11 @@ def _check(target: OffloadedTarget, request: BatchRequest) -> None:
     if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {request.max_new_tokens!r}")
     context = getattr(config, "max_position_embeddings", None)
-    need = len(request.prompt_ids) + request.max_new_tokens
+    need = len(request.prompt_ids) + request.max_new_tokens + window  # a verify pass runs K past the last token
     if context is not None and need > context:
         raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                         f"({request.max_new_tokens}) = {need} exceeds the model's context of {context} positions")
+                         f"({request.max_new_tokens}) + window ({window}) = {need} exceeds the model's context of "
+                         f"{context} positions")
 
 
 def _link_state(target: OffloadedTarget) -> tuple[int, float, int]:

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specter.batching import Batcher, BatchRequest
+from specter.draft.loading import load_draft
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
 from specter.models.decode import LEAN_FAMILIES
@@ -37,6 +38,33 @@ def test_each_request_of_a_batch_is_transformers_generate(family, tiny_dir):
     assert [tokens for tokens, _ in results] == expected
     sizes = [stats.extra["mean_batch"] for _, stats in results]
     assert max(sizes) > 2 and all(s <= 3 for s in sizes)  # they really ran together, never more than 3
+
+
+@pytest.mark.parametrize(("family", "policy"), [("qwen2_moe", "specter+fixed"), ("mixtral", "specter-paper"),
+                                                ("qwen3_moe", "specmoeoff")])
+def test_speculative_rounds_batched_are_transformers_generate_and_each_request_alone(family, policy, tiny_dir):
+    """Each request drafts with its own draft cache, one pass verifies every window; greedy tokens as
+    transformers' and as the engine's one request at a time, sampled tokens as the engine's."""
+    folder = tiny_dir(family)
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
+    expected = [ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+                for p, n in zip(PROMPTS, NEW, strict=True)]
+    draft = load_draft(folder, device="cpu", mode="dequant-cache")  # the target as its own draft: rounds stand
+    target = _target(folder, budget=0.25, policy=policy)
+    try:
+        batched = Batcher(target, max_batch=4, draft=draft, window=3).run(
+            [BatchRequest(p, n) for p, n in zip(PROMPTS, NEW, strict=True)])
+        sampling = [SamplingConfig(temperature=0.8, seed=s) for s in range(len(PROMPTS))]
+        alone = [Engine(target, draft, window=3, pipelined=False).generate(p, n, q)[0]
+                 for p, n, q in zip(PROMPTS, NEW, sampling, strict=True)]
+        sampled = Batcher(target, max_batch=4, draft=draft, window=3).run(
+            [BatchRequest(p, n, q) for p, n, q in zip(PROMPTS, NEW, sampling, strict=True)])
+    finally:
+        target.close()
+    assert [tokens for tokens, _ in batched] == expected
+    assert [tokens for tokens, _ in sampled] == alone
+    assert max(stats.extra["mean_accepted"] for _, stats in batched) > 1  # rounds that accepted drafts
+    assert max(stats.extra["mean_batch"] for _, stats in batched) > 2
 
 
 def test_sampled_requests_draw_as_they_would_alone(tiny_dir):
@@ -148,7 +176,7 @@ def test_bad_requests_and_drafting_policies_are_refused_by_name(tiny_dir):
         target.close()
     drafting = _target(folder, policy="specter")
     try:
-        with pytest.raises(ValueError, match="plain decoding only"):
+        with pytest.raises(ValueError, match="give the draft model"):
             Batcher(drafting)
     finally:
         drafting.close()

@@ -20,18 +20,19 @@ def test_every_request_is_counted_and_batches_never_exceed_n(tiny_dir):
     rows = results["profiles"]["qwen2moe-pcie4"]["rows"]
     for policy in ("demand-lru", "demand-host"):
         one, three = rows[policy][1], rows[policy][3]
+        assert one["window"] == 0
         assert one["requests"] == 2 and three["requests"] == 6
         assert one["tokens"] == 2 * 6 and three["tokens"] == 6 * 6
         assert one["mean_batch"] == 1.0 and 1.0 < three["mean_batch"] <= 3.0
         assert three["coverage"] >= one["coverage"] > 0  # more requests, more of each layer's experts per step
         assert one["tokens_per_s"] == pytest.approx(one["tokens"] / one["seconds"])
     table = concurrency.table(results)
-    assert "| demand-host | 3 |" in table and "× N=1" in table
+    assert "| demand-host | 0 | 3 |" in table and "× N=1" in table
 
 
-def test_drafting_policies_and_bad_counts_are_refused_by_name(tiny_dir, capsys):
+def test_drafting_policies_without_a_draft_and_bad_counts_are_refused_by_name(tiny_dir, capsys):
     folder = tiny_dir("qwen2_moe")
-    with pytest.raises(ValueError, match="specter draft"):
+    with pytest.raises(ValueError, match="give --draft"):
         concurrency.check(concurrency.ConcurrencyConfig(str(folder), PROMPTS, ["qwen2moe-pcie4"], ["specter"]))
     with pytest.raises(SystemExit) as exited:
         specter_main(["bench", "--model", str(folder), "--concurrency", "0,2"])
@@ -45,5 +46,8 @@ def test_the_command_writes_its_table_and_json(tmp_path, capsys):
                          "--num-prompts", "3", "--new-tokens", "4", "--prompts", str(prompts), "--out", str(tmp_path)])
     assert code == 0
     saved = json.loads((tmp_path / "concurrency.json").read_text())
-    assert set(saved["profiles"]["qwen2moe-pcie4"]["rows"]) == {"demand-lru", "demand-host"}
+    rows = saved["profiles"]["qwen2moe-pcie4"]["rows"]
+    assert set(rows) == {"demand-lru", "demand-host", "specter-paper", "specter"}
+    assert rows["specter"]["2"]["window"] == 8 and rows["specter-paper"]["1"]["window"] == 8
+    assert rows["specter"]["2"]["mean_accepted"] > 0  # the shipped AWQ draft's rounds accept
     assert "qwen2moe-pcie4" in capsys.readouterr().out

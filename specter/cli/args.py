@@ -303,8 +303,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--concurrency", default=None, metavar="N,N,...",
                        help="instead of the side-by-side table: N concurrent requests (closed-loop clients), "
                             "continuously batched, for each N given (e.g. 1,2,4,8): throughput, TPOT, TTFT and "
-                            "expert coverage per N (draft-free policies; default policies demand-lru,demand-host, "
-                            "profiles mixtral-pcie4,qwen2moe-pcie4)")
+                            "expert coverage per N (default policies demand-lru,demand-host,specter-paper,specter, "
+                            "profiles mixtral-pcie4,qwen2moe-pcie4; speculative rounds at a fixed K: --window, "
+                            "default the policy's, 8 for specter)")
     bench.add_argument("--prefill-chunk", type=positive_int, default=4,
                        help="with --concurrency: prompt tokens a joining request feeds per step (default 4; a large "
                             "value prefills a prompt in one pass, stalling the running requests meanwhile)")

@@ -266,8 +266,14 @@ def _bench_concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser
     if not counts or any(n < 1 or n > 64 for n in counts):
         parser.error(f"argument --concurrency: expected comma-separated counts in 1..64, got {args.concurrency!r}")
     policies = [p for p in args.policies.split(",") if p]
-    if args.policies == ",".join(POLICIES):  # not given: the draft-free policies that batch
-        policies = ["demand-lru", "demand-host"]
+    if args.policies == ",".join(POLICIES):  # not given: the baselines and specter
+        policies = ["demand-lru", "demand-host", "specter-paper", "specter"]
+    windows: dict[str, int] = {}
+    for item in args.window:
+        name, _, k = item.partition("=")
+        if not k.isdigit() or not 0 < int(k) <= 64:
+            parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
+        windows[name] = int(k)
     profiles = [p for p in args.profiles.split(",") if p]
     if args.profiles == DEFAULT_BENCH_PROFILES:
         profiles = ["mixtral-pcie4", "qwen2moe-pcie4"]
@@ -277,7 +283,8 @@ def _bench_concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser
     config = concurrency.ConcurrencyConfig(
         args.model, load_prompts(args.model, args.prompts, count), profiles, policies, sorted(set(counts)), tokens,
         clock=args.clock, budget=args.budget.fraction if args.budget is not None else None,
-        sampling=_sampling(args, parser), prefill_chunk=args.prefill_chunk)
+        sampling=_sampling(args, parser), prefill_chunk=args.prefill_chunk,
+        draft=args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq")), windows=windows)
     try:
         concurrency.check(config)
     except ValueError as exc:

@@ -1,8 +1,8 @@
 """Throughput and latency against the number of concurrent requests (``specter bench --concurrency``).
 
 For each profile, policy and count N: N clients in a closed loop (each sends its next prompt when its
-last one finishes) over the same prompts, continuously batched on one target (``specter/batching.py``),
-on the run's clock. Reported per count: throughput (tokens per second of the clock), per-request
+last one finishes) over the same prompts, continuously batched on one target (``specter/batching.py``;
+a drafting policy's speculative rounds batched too, at a fixed K), on the run's clock. Reported per count: throughput (tokens per second of the clock), per-request
 TPOT and time to first token (medians), the 99th percentile of the gaps between a request's tokens
 (what a joining prompt's prefill stalls), and how much of each MoE layer a step's union of routed
 experts covers, with the floor that coverage puts under a step: whatever of the union the slots
@@ -21,7 +21,8 @@ from typing import Any
 
 from specter.batching import PREFILL_CHUNK, Batcher, BatchRequest
 from specter.config import SamplingConfig
-from specter.eval.bench import BenchConfig, load_target
+from specter.draft.loading import load_draft
+from specter.eval.bench import FIXED_DRAFT_MODE, BenchConfig, load_target
 from specter.plan import drafts
 from specter.timing.costs import resolve_timing
 from specter.timing.profiles import PROFILES
@@ -42,15 +43,15 @@ class ConcurrencyConfig:
     budget: float | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = PREFILL_CHUNK
+    draft: str | None = None  # the draft folder, for drafting policies (speculative rounds batched)
+    windows: dict[str, int] = field(default_factory=dict)  # K per policy (default: the batcher's)
 
 
 def check(config: ConcurrencyConfig) -> None:
     """Refuse what this run cannot measure, naming it."""
     drafting = [p for p in config.policies if drafts(p)]
-    if drafting:
-        raise ValueError(f"--policies: {', '.join(drafting)} draft; concurrent requests are batched for plain "
-                         "decoding only so far (demand-lru, demand-host, ...): speculative rounds run one request at "
-                         "a time (docs/serving.md)")
+    if drafting and config.draft is None:
+        raise ValueError(f"--policies: {', '.join(drafting)} draft; give --draft FOLDER")
     if not config.counts or any(n < 1 for n in config.counts):
         raise ValueError(f"--concurrency: expected counts >= 1, got {config.counts}")
     unknown = [p for p in config.profiles if p not in PROFILES]
@@ -70,12 +71,16 @@ def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
         bench = BenchConfig(config.model, "", config.prompts, [name], budget=config.budget)
         rows: dict[str, dict[int, dict[str, float]]] = {p: {} for p in config.policies}
         targets = {p: load_target(bench, timing, profile, p) for p in config.policies}
+        draft = None
+        if config.draft is not None and any(drafts(p) for p in config.policies):
+            draft = load_draft(config.draft, device="cpu", mode=FIXED_DRAFT_MODE)
         try:
             for count in config.counts:
                 for policy in config.policies:  # interleaved: machine noise (wall clock) hits every policy alike
                     target = targets[policy]
                     target.offload.reset_residency()
-                    rows[policy][count] = _measure(target, config, count)
+                    rows[policy][count] = _measure(target, config, count, draft if drafts(policy) else None,
+                                                   config.windows.get(policy))
                     if progress:
                         r = rows[policy][count]
                         print(f"  [{name}] {policy:12s} N={count:<3d} {r['tokens_per_s']:10.1f} tok/s  "
@@ -88,9 +93,10 @@ def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
     return out
 
 
-def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, float]:
+def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = None,
+             window: int | None = None) -> dict[str, float]:
     """N closed-loop clients on one batcher; the figures of every request they sent."""
-    batcher = Batcher(target, max_batch=count, prefill_chunk=config.prefill_chunk)
+    batcher = Batcher(target, max_batch=count, prefill_chunk=config.prefill_chunk, draft=draft, window=window)
     total = count * config.requests_per_client
     pending = deque(BatchRequest(config.prompts[i % len(config.prompts)], config.new_tokens, config.sampling)
                     for i in range(total))
@@ -131,6 +137,7 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int) -> dict[str, fl
         "tpot_s": statistics.median(s.tpot_s for _, s in results),
         "ttft_s": statistics.median(s.extra["ttft_s"] for _, s in results),
         "mean_batch": statistics.fmean(s.extra["mean_batch"] for _, s in results),
+        "window": batcher.window, "mean_accepted": statistics.fmean(s.extra["mean_accepted"] for _, s in results),
         "coverage": cover, "hit_rate": statistics.fmean(s.hit_rate for _, s in results),
         "link_floor_s": missing * target.offload.store.shape.nbytes / link.bandwidth if hasattr(link, "bandwidth") else 0.0,
     }
@@ -174,15 +181,15 @@ def table(results: dict[str, Any]) -> str:
     for name, block in results["profiles"].items():
         rho = f", rho {block['rho']:.1f}" if block.get("rho") else ""
         lines += ["", f"### {name}{rho}", "",
-                  "| policy | N | tokens/s | × N=1 | TPOT ms | × N=1 | p99 gap ms | TTFT ms | mean batch | experts covered | "
-                  "link floor ms/step |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| policy | K | N | tokens/s | × N=1 | TPOT ms | × N=1 | p99 gap ms | TTFT ms | mean batch | accepted | "
+                  "experts covered | link floor ms/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for policy, rows in block["rows"].items():
             one = rows.get(min(rows))
             for count, r in sorted(rows.items()):
                 lines.append(
-                    f"| {policy} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
+                    f"| {policy} | {r.get('window', 0)} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
                     f"{r['tpot_s'] * 1e3:.2f} | {r['tpot_s'] / one['tpot_s']:.2f} | {r['itl_p99_s'] * 1e3:.1f} | "
                     f"{r['ttft_s'] * 1e3:.2f} | "
-                    f"{r['mean_batch']:.1f} | {r['coverage']:.0%} | {r['link_floor_s'] * 1e3:.2f} |")
+                    f"{r['mean_batch']:.1f} | {r.get('mean_accepted', 0.0):.2f} | {r['coverage']:.0%} | {r['link_floor_s'] * 1e3:.2f} |")
     return "\n".join(lines)

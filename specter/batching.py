@@ -43,7 +43,7 @@ from specter.verify.accept import accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
 BATCHED_K = 8  # K of an adaptive policy's batched rounds (the per-round chooser is not used when batching)
-PREFILL_CHUNK = 4  # a joining prompt's tokens per step: a step's worth of extra work for the others
+PREFILL_CHUNK = 16  # a joining prompt's tokens per step: about a step's worth of extra work for the others
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
 

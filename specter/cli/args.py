@@ -306,8 +306,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "expert coverage per N (default policies demand-lru,demand-host,specter-paper,specter, "
                             "profiles mixtral-pcie4,qwen2moe-pcie4; speculative rounds at a fixed K: --window, "
                             "default the policy's, 8 for specter)")
-    bench.add_argument("--prefill-chunk", type=positive_int, default=4,
-                       help="with --concurrency: prompt tokens a joining request feeds per step (default 4; a large "
+    bench.add_argument("--prefill-chunk", type=positive_int, default=16,
+                       help="with --concurrency: prompt tokens a joining request feeds per step (default 16; a large "
                             "value prefills a prompt in one pass, stalling the running requests meanwhile)")
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")

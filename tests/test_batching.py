@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specter.batching import Batcher, BatchRequest
-from specter.draft.loading import load_draft
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.decode import LEAN_FAMILIES
 from specter.target import OffloadedTarget

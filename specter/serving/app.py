@@ -91,6 +91,7 @@ class Admission:
     """At most ``slots`` requests on the engine, at most ``max_queue`` waiting for it."""
 
     def __init__(self, slots: int, max_queue: int, counts: Counts, metrics: Metrics):
+        self.slots = slots
         self.free = asyncio.Semaphore(slots)
         self.max_queue, self.counts, self.metrics = max_queue, counts, metrics
 
@@ -100,7 +101,8 @@ class Admission:
             self.counts.rejected += 1
             self.metrics.inc("specter_server_rejected")
             recent = self.counts.seconds[-16:] or [1.0]
-            wait = math.ceil(min(60.0, max(1.0, (self.counts.waiting + 1) * sum(recent) / len(recent))))
+            ahead = (self.counts.waiting + 1) / self.slots  # requests ahead, per engine place
+            wait = math.ceil(min(60.0, max(1.0, ahead * sum(recent) / len(recent))))
             raise ApiError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry in {wait} s",
                            None, "queue_full", {"Retry-After": str(wait)})
         self._waiting(+1)

@@ -220,7 +220,8 @@ def test_a_stream_closed_midway_is_cancelled_and_frees_the_engine(server):
     deadline = closed + 30
     while (health := _health(url))["running"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert health["running"] == 0 and health["cancelled"] == before["cancelled"] + 1
+    idle_s = time.monotonic() - closed
+    assert health["running"] == 0 and health["cancelled"] == before["cancelled"] + 1, (idle_s, before, health)
     t0 = time.monotonic()
     assert _complete(url, PROMPTS[0], 16) == _complete(url, PROMPTS[0], 16)
     after = _health(url)

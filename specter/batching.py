@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from specter.config import SamplingConfig
+from specter.engine import check_request, link_state
 from specter.plan import drafts
 from specter.proposer import LocalProposer
 from specter.stats import RequestStats
@@ -58,6 +59,7 @@ class BatchRequest:
     eos_token_id: int | None = None
     on_tokens: OnTokens | None = None
     cancelled: Cancelled | None = None
+    on_done: Callable[[BatchRequest], None] | None = None  # called once it ends (``result`` no longer waits)
     tokens: list[int] = field(default_factory=list)
     stats: RequestStats | None = None
     error: BaseException | None = None
@@ -124,7 +126,7 @@ class Batcher:
 
     def submit(self, request: BatchRequest) -> BatchRequest:
         """Queue ``request`` (checked first: a bad one raises here, nothing queued)."""
-        _check(self.target, request, self.window)
+        check_request(self.target, request.prompt_ids, request.max_new_tokens, self.window)
         request.arrived_s = self.clock.now()
         with self._work:
             self.waiting.append(request)
@@ -187,10 +189,9 @@ class Batcher:
     # -- the work ----------------------------------------------------------------------------------------
     def _admit(self, request: BatchRequest) -> None:
         """A new request joins the running ones; its prompt is fed ``prefill_chunk`` tokens a step."""
-        request.before = (self.target.offload.counters.snapshot(), _link_state(self.target))
+        request.before = (self.target.offload.counters.snapshot(), link_state(self.target))
         request.generator = torch.Generator().manual_seed(request.sampling.seed)
         request.cache = self.target.new_cache(batched=True)
-        request.fed = 0
         if self.draft is not None:
             request.proposer = LocalProposer(self.draft, self.clock)
             request.proposer.prefill(request.prompt_ids, request.sampling)  # the draft is resident: one pass
@@ -307,11 +308,13 @@ class Batcher:
         if error is None:
             request.stats = self._stats(request, cancelled)
         request.done.set()
+        if request.on_done is not None:
+            request.on_done(request)
 
     def _stats(self, request: BatchRequest, cancelled: bool) -> RequestStats:
         """The request's figures; hits, misses and bytes are those of the steps it shared with others."""
         counters = self.target.offload.counters.since(request.before[0])
-        moved, busy, transfers = (a - b for a, b in zip(_link_state(self.target), request.before[1], strict=True))
+        moved, busy, transfers = (a - b for a, b in zip(link_state(self.target), request.before[1], strict=True))
         commits = request.commits
         decode_s = commits[-1] - commits[0]
         total = commits[-1] - request.arrived_s
@@ -327,25 +330,3 @@ class Batcher:
                    "mean_accepted": statistics.fmean(request.accepted) if request.accepted else 0.0, "ttft_s": commits[0] - request.arrived_s,
                    "mean_batch": sum(sizes) / len(sizes) if sizes else 1.0},
         )
-
-
-def _check(target: OffloadedTarget, request: BatchRequest, window: int = 0) -> None:
-    """What ``Engine`` refuses, refused the same way (naming the field)."""
-    config = target.model.config
-    if not request.prompt_ids:
-        raise ValueError("prompt: must hold at least one token")
-    if any(not isinstance(t, int) or not 0 <= t < config.vocab_size for t in request.prompt_ids):
-        raise ValueError(f"prompt: token ids must be integers in [0, {config.vocab_size})")
-    if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {request.max_new_tokens!r}")
-    context = getattr(config, "max_position_embeddings", None)
-    need = len(request.prompt_ids) + request.max_new_tokens + window  # a verify pass runs K past the last token
-    if context is not None and need > context:
-        raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                         f"({request.max_new_tokens}) + window ({window}) = {need} exceeds the model's context of "
-                         f"{context} positions")
-
-
-def _link_state(target: OffloadedTarget) -> tuple[int, float, int]:
-    link = target.link
-    return link.bytes_moved, link.busy_s, link.transfers

@@ -114,7 +114,7 @@ class Engine:
         when it says so the request ends there with what it committed (``stats.extra["cancelled"]``).
         """
         sampling = sampling or SamplingConfig()
-        self._check_request(prompt_ids, max_new_tokens)
+        check_request(self.target, prompt_ids, max_new_tokens, self.window)
         self.active, self.committed = True, 0
         try:
             with self.clock.counting():  # the as-built clock charges the ops and reads the request issues
@@ -130,7 +130,7 @@ class Engine:
         on_tokens: OnTokens | None, cancelled: Cancelled | None,
     ) -> tuple[list[int], RequestStats]:
         gen = torch.Generator().manual_seed(sampling.seed)
-        before = (self.target.offload.counters.snapshot(), _link_state(self.target), _host_state(self.target))
+        before = (self.target.offload.counters.snapshot(), link_state(self.target), _host_state(self.target))
         self.policy.begin_request()
         tally = _Tally()
         t0 = self.clock.now()
@@ -220,24 +220,6 @@ class Engine:
         host = offload.host.expert_s if offload.host is not None else None
         transfer = self.target.link.estimate_s(offload.store.shape.nbytes)
         return lower_bound(trace, costs.expert_s, transfer, host).decode_s
-
-    def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Reject a request the model cannot serve, naming the field, before any work."""
-        config = self.target.model.config
-        if not prompt_ids:
-            raise ValueError("prompt: must hold at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {config.vocab_size})")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-        context = getattr(config, "max_position_embeddings", None)
-        # The verify pass may run up to K positions past the last committed token.
-        need = len(prompt_ids) + max_new_tokens + self.window
-        if context is not None and need > context:
-            raise ValueError(
-                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                f"+ window ({self.window}) = {need} exceeds the model's context of {context} positions"
-            )
 
     def generate_fresh(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -338,7 +320,7 @@ class Engine:
 
     def _stats(self, before, prompt_len: int, t0: float, commits: list[float], tally: _Tally) -> RequestStats:
         counters = self.target.offload.counters.since(before[0])
-        moved, busy, transfers = (a - b for a, b in zip(_link_state(self.target), before[1], strict=True))
+        moved, busy, transfers = (a - b for a, b in zip(link_state(self.target), before[1], strict=True))
         decode_s = commits[-1] - commits[0]
         total = commits[-1] - t0
         hist = [tally.accepted.count(i) for i in range(self.window + 1)] if self.window else []
@@ -400,6 +382,26 @@ def _host_state(target: OffloadedTarget) -> tuple[int, float, float]:
     return host.snapshot() if host is not None else (0, 0.0, 0.0)
 
 
-def _link_state(target: OffloadedTarget) -> tuple[int, float, int]:
+def check_request(target: OffloadedTarget, prompt_ids: list[int], max_new_tokens: int, window: int = 0) -> None:
+    """Reject a request the model cannot serve, naming the field, before any work."""
+    config = target.model.config
+    if not prompt_ids:
+        raise ValueError("prompt: must hold at least one token")
+    if any(not isinstance(t, int) or not 0 <= t < config.vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {config.vocab_size})")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+    context = getattr(config, "max_position_embeddings", None)
+    # The verify pass may run up to K positions past the last committed token.
+    need = len(prompt_ids) + max_new_tokens + window
+    if context is not None and need > context:
+        raise ValueError(
+            f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"+ window ({window}) = {need} exceeds the model's context of {context} positions"
+        )
+
+
+def link_state(target: OffloadedTarget) -> tuple[int, float, int]:
+    """The target's link counters: bytes moved, busy seconds, transfers."""
     link = target.link
     return link.bytes_moved, link.busy_s, link.transfers

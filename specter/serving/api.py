@@ -143,8 +143,8 @@ def _check_fields(data: dict[str, Any], kind: str) -> None:
     for key, value in data.items():
         if key in FIELDS[kind] or key in IGNORED:
             continue
-        if key in NEUTRAL:
-            if value not in NEUTRAL[key] or isinstance(value, bool) != isinstance(NEUTRAL[key][0], bool):
+        if key in NEUTRAL:  # by value and kind: true is not 1, 0.0 is 0
+            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in NEUTRAL[key]):
                 raise ApiError(400, f"{key}: not supported by Specter (got {value!r}; only "
                                     f"{NEUTRAL[key][0]!r})", key, "unsupported_parameter")
             continue

@@ -33,6 +33,7 @@ def test_a_completion_is_the_tokenizers_ids_with_the_apis_defaults(model):
     assert ids.prompt_ids == [5, 6, 7] and ids.max_tokens == 3 and ids.seed == 4 and ids.stop == ("\n",)
     assert _parse(model, prompt=["one"]).prompt_ids == model.tokenizer("one")["input_ids"]
     assert _parse(model, prompt="x", n=1, logprobs=None, user="u", presence_penalty=0).max_tokens == 16
+    assert _parse(model, prompt="x", logprobs=False, parallel_tool_calls=True, frequency_penalty=0.0).max_tokens == 16
 
 
 @pytest.mark.parametrize(("fields", "status", "param"), [

@@ -163,12 +163,9 @@ class VerifierRole:
                **options: Any) -> Iterator[dict[str, Any]]:
         """``generate`` as a stream: ``{"tokens": [...]}`` for each step's or round's commits as they
         commit, then ``{"tokens": [], "stats": {...}}`` (``stats["cancelled"]`` when ``cancel`` ended
-        it early). The request runs in a thread of this process while this generator hands its chunks
-        out; a generator closed early (its consumer gone) cancels the request and waits for it to end,
-        so the next request starts on a quiet engine."""
-        if self.batches(options):
-            yield from self._stream_batched(request_id, prompt_ids, max_new_tokens, **options)
-            return
+        it early). Batched (``batches``), the request joins the batcher's steps; otherwise it runs in a
+        thread of this process. A generator closed early (its consumer gone) ends the request at its
+        next step or round; unbatched, it waits for that, so the next request starts on a quiet engine."""
         chunks: queue.Queue[tuple[str, Any]] = queue.Queue()
         stop = threading.Event()
 
@@ -176,29 +173,51 @@ class VerifierRole:
             with self._lock:
                 return stop.is_set() or request_id in self._cancelled
 
-        def run() -> None:
-            try:
-                out = self.generate(prompt_ids, max_new_tokens, on_tokens=lambda t: chunks.put(("tokens", list(t))),
-                                    cancelled=cancelled, **options)
-                chunks.put(("done", out))
-            except BaseException as exc:  # handed to the consumer, raised there
-                chunks.put(("error", exc))
+        def on_tokens(tokens: list[int]) -> None:
+            chunks.put(("tokens", list(tokens)))
 
-        worker = threading.Thread(target=run, name=f"request-{request_id}", daemon=True)
-        worker.start()
+        worker: threading.Thread | None = None
+        if self.batches(options):
+            self._requests += 1
+            sampling = SamplingConfig(options.get("temperature", 0.0), options.get("top_p", 1.0),
+                                      options.get("top_k", 0), options.get("seed", 0))
+            request = BatchRequest(list(prompt_ids), max_new_tokens, sampling, options.get("eos_token_id"),
+                                   on_tokens, cancelled, on_done=lambda r: chunks.put(("ended", r)))
+            try:
+                self._batched().submit(request)
+            except Exception:
+                self.metrics.inc("specter_request_errors")
+                raise
+        else:
+            def run() -> None:
+                try:
+                    chunks.put(("done", self.generate(prompt_ids, max_new_tokens, on_tokens=on_tokens,
+                                                      cancelled=cancelled, **options)))
+                except BaseException as exc:  # handed to the consumer, raised there
+                    chunks.put(("error", exc))
+
+            worker = threading.Thread(target=run, name=f"request-{request_id}", daemon=True)
+            worker.start()
         try:
             while True:
                 kind, value = chunks.get()
                 if kind == "tokens":
                     yield {"tokens": value}
-                elif kind == "done":
-                    yield {"tokens": [], "stats": value["stats"]}
-                    return
-                else:
+                    continue
+                if kind == "ended":  # a batched request: its figures go to the metrics here
+                    if value.error is not None:
+                        self.metrics.inc("specter_request_errors")
+                        raise value.error
+                    value = {"stats": value.stats.to_dict()}
+                    self.metrics.request(value["stats"])
+                elif kind == "error":
                     raise value
+                yield {"tokens": [], "stats": value["stats"]}
+                return
         finally:
             stop.set()
-            worker.join()
+            if worker is not None:
+                worker.join()
             with self._lock:
                 self._cancelled.pop(request_id, None)
 
@@ -206,8 +225,8 @@ class VerifierRole:
         """Whether streams run batched: a draft-free policy on a target with the lean step, and no
         request option that only ``generate`` honours (another policy, a window, a schedule)."""
         options = options or {}
-        if any(options.get(name) not in (None, self.policy_name if name == "policy" else None)
-               for name in ("policy", "window", "schedule")) or options.get("untimed_prefill"):
+        if (options.get("policy") not in (None, self.policy_name) or options.get("window") is not None
+                or options.get("schedule") is not None or options.get("untimed_prefill")):
             return False
         target = self.target
         return (self.max_batch > 1 and not drafts(self.policy_name) and target is not None
@@ -216,38 +235,6 @@ class VerifierRole:
     def concurrency(self) -> int:
         """How many streams the engine decodes at once (1: one at a time)."""
         return self.max_batch if self.batches() else 1
-
-    def _stream_batched(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                        top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos_token_id: int | None = None,
-                        **ignored: Any) -> Iterator[dict[str, Any]]:
-        chunks: queue.Queue[list[int]] = queue.Queue()
-        stop = threading.Event()
-
-        def cancelled() -> bool:
-            with self._lock:
-                return stop.is_set() or request_id in self._cancelled
-
-        request = BatchRequest(list(prompt_ids), max_new_tokens, SamplingConfig(temperature, top_p, top_k, seed),
-                               eos_token_id, on_tokens=chunks.put, cancelled=cancelled)
-        self._requests += 1
-        try:
-            self._batched().submit(request)
-            while not request.done.is_set() or not chunks.empty():
-                try:
-                    yield {"tokens": chunks.get(timeout=0.05)}
-                except queue.Empty:
-                    continue
-            tokens, stats = request.result(0)
-        except Exception:
-            self.metrics.inc("specter_request_errors")
-            raise
-        finally:
-            stop.set()
-            with self._lock:
-                self._cancelled.pop(request_id, None)
-        out = stats.to_dict()
-        self.metrics.request(out)
-        yield {"tokens": [], "stats": out}
 
     def _batched(self) -> Batcher:
         """The batcher of the current target, and the thread that steps it (started on first use)."""

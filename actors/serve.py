@@ -79,6 +79,25 @@ class VerifierBackend:
         await self.verifier.progress.remote()
 
 
+class DisconnectOnCancel:
+    """ASGI: a ``receive`` that Serve's proxy cancelled (the client went away) reads as the
+    ``http.disconnect`` it stands for. Starlette listens for the disconnect while it streams; unwrapped,
+    Ray's ``TaskCancelledError`` escapes that listener and Serve logs it as a task exception nobody
+    retrieved, though the request was cancelled cleanly."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def receive_or_disconnect() -> Any:
+            try:
+                return await receive()
+            except ray.exceptions.TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
+
+
 @serve.ingress()
 class SpecterServer:
     """The deployment: one engine replica and the app in front of it."""
@@ -101,7 +120,8 @@ class SpecterServer:
         concurrency = ray.get(self.handle.verifier.concurrency.remote())
         settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model),
                             concurrency)
-        self.asgi = build_app(VerifierBackend(self.handle), settings, Recorder(self.handle.replica, "server"))
+        self.asgi = DisconnectOnCancel(build_app(VerifierBackend(self.handle), settings,
+                                                 Recorder(self.handle.replica, "server")))
         log.info("serving %s (%s) with policy %s, %d request(s) decoded at once", options.name, options.model,
                  options.policy, concurrency)
 

@@ -21,7 +21,12 @@ __all__ = ["PIPELINED", "SCHEDULES", "VerifierActor"]
 STREAMS = 64  # threads for concurrent streams (batched ones share the engine's steps; the rest wait their turn)
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "streams": STREAMS})  # type: ignore[call-overload]
+# Out of order: no call depends on the order of another's arrival (a cancel that comes before its stream is
+# kept, ``VerifierRole.cancel``), and Ray's in-order sequencing stalls the actor 30 s, then fails every
+# queued call, when a caller's stream is dropped midway (seen with ``specter serve`` and a client that
+# closes its stream: ``Timed out waiting for seq_no``, Ray 2.60).
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "streams": STREAMS},  # type: ignore[call-overload]
+            allow_out_of_order_execution=True)
 class VerifierActor(VerifierRole):
     """``VerifierRole`` with its figures in Ray's metrics (tagged ``replica``, ``actor=verifier``)."""
 

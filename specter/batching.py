@@ -16,8 +16,11 @@ the draft model's weights shared) proposes up to K tokens, their routing going t
 as the engine's rounds do, so the schedule sees what every running request will need; then one
 target pass verifies every request's window together, and each request accepts (greedy: the target's
 argmax, one read for the whole batch; sampled: exact rejection sampling, per request) and rolls back
-its own caches. K is fixed per run (the policy's or the caller's); the per-round K chooser and
-pipelined drafting of ``Engine`` are not used here. Greedy output of each request equals that request
+its own caches. An adaptive policy (``specter``) chooses each round's K with the engine's chooser
+(``specter/plan/window.py``), one per number of drafting requests — a round's drafting and verify
+times grow with how many requests draft in it, so what K pays is learnt per count — from the round's
+times and every request's acceptance; each request drafts that K or what its last tokens leave.
+Otherwise K is fixed (the policy's or the caller's). Pipelined drafting of ``Engine`` is not used here. Greedy output of each request equals that request
 decoded alone, and transformers' ``generate`` (``tests/test_batching.py``).
 """
 
@@ -36,6 +39,7 @@ import torch
 from specter.config import SamplingConfig
 from specter.engine import check_request, link_state
 from specter.plan import drafts
+from specter.plan.window import WindowChooser
 from specter.proposer import LocalProposer
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
@@ -43,7 +47,6 @@ from specter.timing.dispatch import flush_reads, host_read
 from specter.verify.accept import accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
-BATCHED_K = 8  # K of an adaptive policy's batched rounds (the per-round chooser is not used when batching)
 PREFILL_CHUNK = 16  # a joining prompt's tokens per step: about a step's worth of extra work for the others
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
@@ -72,6 +75,7 @@ class BatchRequest:
     fed: int = 0  # prompt tokens in the cache
     proposer: Any = None  # its draft (speculative rounds)
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    ks: list[int] = field(default_factory=list)  # its K per drafting round
     batch_sizes: list[int] = field(default_factory=list)
     before: tuple[Any, ...] = ()
 
@@ -93,7 +97,8 @@ class Batcher:
         max_batch: requests decoded together at most; more wait in arrival order.
         prefill_chunk: prompt tokens a joining request feeds per step (one joining request at a time).
         draft: the draft model (``DraftModel``) for a drafting policy's speculative rounds.
-        window: K, draft tokens per round (default: the policy's).
+        window: K, draft tokens per round, fixed (default: the policy's; an adaptive policy's is the
+            cap of its per-round choice).
     """
 
     def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
@@ -109,8 +114,12 @@ class Batcher:
         if drafts(policy.name) and draft is None:
             raise ValueError(f"batching: policy {policy.name} drafts; give the draft model (draft=)")
         self.draft = draft
-        if window is None:  # the policy's K; an adaptive policy's default is a cap for its chooser, unused here
-            window = BATCHED_K if policy.adaptive_window else policy.default_window
+        # an adaptive policy (``specter``) chooses K per round unless the caller fixes it: one chooser per
+        # number of drafting requests, since what a K costs grows with how many draft it together
+        self.choosers: dict[int, WindowChooser] | None = (
+            {} if draft is not None and window is None and policy.adaptive_window else None)
+        if window is None:  # the policy's K (an adaptive policy's: its chooser's cap)
+            window = policy.default_window
         self.window = 0 if draft is None else window
         if draft is not None and not 1 <= self.window <= 64:
             raise ValueError(f"window: K must lie in 1..64 for speculative rounds, got {self.window}")
@@ -197,13 +206,31 @@ class Batcher:
             request.proposer.prefill(request.prompt_ids, request.sampling)  # the draft is resident: one pass
         self.running.append(request)
 
-    def _rows(self, request: BatchRequest) -> tuple[list[int], list[int], list[Any]]:
-        """What ``request`` puts in this step — its prompt's next chunk, or its last token and the draft
-        tokens of this round — and those drafts with their distributions (sampled)."""
+    def _k(self, request: BatchRequest, cap: int) -> int:
+        """Draft tokens ``request`` makes this step, at most ``cap``: 0 while its prompt is fed or
+        without a draft, and never past its last token."""
+        if request.fed < len(request.prompt_ids) or request.proposer is None:
+            return 0
+        return max(0, min(cap, request.max_new_tokens - len(request.tokens) - 1))
+
+    def _choose(self, batch: list[BatchRequest]) -> tuple[int, WindowChooser | None]:
+        """This round's K and the chooser that chose it: with choosers, the one for the number of
+        requests that can draft (set as the policy's, so that its round sees the K), else the window."""
+        room = [k for k in (self._k(r, self.window) for r in batch) if k > 0]
+        if self.choosers is None or not room:
+            return self.window, None
+        chooser = self.choosers.get(len(room))
+        if chooser is None:
+            chooser = self.choosers[len(room)] = self.policy.new_window_chooser()
+        self.policy.use_window_chooser(chooser)
+        return chooser.choose(max(room)), chooser
+
+    def _rows(self, request: BatchRequest, k: int) -> tuple[list[int], list[int], list[Any]]:
+        """What ``request`` puts in this step — its prompt's next chunk, or its last token and the ``k``
+        draft tokens of this round — and those drafts with their distributions (sampled)."""
         if request.fed < len(request.prompt_ids):
             return request.prompt_ids[request.fed:request.fed + self.prefill_chunk], [], []
-        k = min(self.window, request.max_new_tokens - len(request.tokens) - 1)
-        if request.proposer is None or k <= 0:
+        if k == 0:
             return request.tokens[-1:], [], []
         seq = request.prompt_ids + request.tokens
         drafted, qs = request.proposer.propose(self.steps, seq, k, self.policy.on_plan, self.policy.route_last_draft)
@@ -211,17 +238,27 @@ class Batcher:
 
     def _step(self) -> None:
         batch = list(self.running)
+        cap, chooser = self._choose(batch)
+        ks = [self._k(r, cap) for r in batch]
+        started = self.clock.now()
+        # every request drafts in turn before the one verify pass: the policy's deadlines count them all
+        # (a routed last token is one more forward each; the policy adds one for the round itself)
+        extra = sum(1 for k in ks if k > 0) - 1 if self.policy.route_last_draft else 0
+        self.policy.round_drafts = sum(ks) + max(0, extra)
         self.policy.begin_round(self.steps)
         try:
-            rows = [self._rows(r) for r in batch]
+            rows = [self._rows(r, k) for r, k in zip(batch, ks, strict=True)]
+            drafted = self.clock.now()
             self.policy.begin_verify(self.steps, sum(len(x) for x, _, _ in rows))
             logits = self.target.forward_batch([torch.tensor([x]) for x, _, _ in rows], [r.cache for r in batch])
+            verified = self.clock.now()
             for request, (x, _, _) in zip(batch, rows, strict=True):
                 if request.fed < len(request.prompt_ids):
                     request.fed += len(x)
             new = self._accept(batch, rows, logits)
             flush_reads()
         except BaseException as exc:  # the step failed: every request in it ends with the error
+            self.policy.round_drafts = None
             for request in batch:
                 self._finish(request, exc)
             self.running = []
@@ -231,6 +268,12 @@ class Batcher:
         true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
         accepted = [len(tokens) - 1 for tokens in new.values() if tokens]
         self.policy.end_round(self.steps, round(statistics.fmean(accepted)) if accepted else 0, true)
+        self.policy.round_drafts = None
+        if chooser is not None:  # acceptance per request, the round's times once
+            for i, tokens in new.items():
+                if ks[i] > 0:
+                    chooser.observe(ks[i], len(tokens) - 1)
+            chooser.record(cap, drafted - started, verified - drafted, None)
         self.steps += 1
         for i, tokens in new.items():
             request = batch[i]
@@ -238,6 +281,7 @@ class Batcher:
                 request.batch_sizes.append(len(batch))
                 if rows[i][1]:
                     request.accepted.append(len(tokens) - 1)
+                    request.ks.append(len(rows[i][1]))
             room = request.max_new_tokens - len(request.tokens)
             committed = tokens[:room]
             if request.eos_token_id is not None and request.eos_token_id in committed:
@@ -325,7 +369,8 @@ class Batcher:
             hits=counters.hits, inflight=counters.inflight, misses=counters.misses, hit_rate=counters.hit_rate,
             wait_s=counters.wait_s, bytes_moved=int(moved), link_busy_s=float(busy),
             link_busy_fraction=float(busy) / total if total > 0 else 0.0, transfers=int(transfers),
-            extra={"clock": self.clock.name, "policy": self.policy.name, "window": self.window,
+            extra={"clock": self.clock.name, "policy": self.policy.name,
+                   "window": statistics.fmean(request.ks) if self.choosers is not None and request.ks else self.window,
                    "rounds": len(request.accepted), "cancelled": cancelled,
                    "mean_accepted": statistics.fmean(request.accepted) if request.accepted else 0.0, "ttft_s": commits[0] - request.arrived_s,
                    "mean_batch": sum(sizes) / len(sizes) if sizes else 1.0},

@@ -67,6 +67,40 @@ def test_speculative_rounds_batched_are_transformers_generate_and_each_request_a
     assert max(stats.extra["mean_batch"] for _, stats in batched) > 2
 
 
+def test_an_adaptive_policy_chooses_k_per_round_per_drafting_count_and_stays_lossless(tiny_dir):
+    """``specter`` under batching: each round's K from a chooser per number of drafting requests; the
+    policy's round counts every request's drafts; greedy tokens still transformers'."""
+    folder = tiny_dir("qwen2_moe")
+    new = [24, 10, 18, 24, 14]
+    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
+    expected = [ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+                for p, n in zip(PROMPTS, new, strict=True)]
+    draft = load_draft(folder, device="cpu", mode="dequant-cache")
+    target = _target(folder, budget=0.25, policy="specter")
+    policy = target.offload.policy
+    round_drafts: list[int] = []
+    begin_verify = policy.begin_verify
+
+    def spy(round_id: int, positions: int) -> None:
+        round_drafts.append(policy.drafts_this_round(0))
+        begin_verify(round_id, positions)
+
+    policy.begin_verify = spy
+    try:
+        batcher = Batcher(target, max_batch=3, draft=draft)
+        requests = [BatchRequest(p, n) for p, n in zip(PROMPTS, new, strict=True)]
+        results = batcher.run(requests)
+    finally:
+        target.close()
+    assert [tokens for tokens, _ in results] == expected
+    assert batcher.choosers is not None and len(batcher.choosers) >= 2 and set(batcher.choosers) <= {1, 2, 3}
+    assert sum(sum(c.samples.values()) for c in batcher.choosers.values()) > 3  # they measured rounds
+    ks = [k for r in requests for k in r.ks]
+    assert len(set(ks)) > 1, ks  # chosen round by round
+    assert max(round_drafts) > max(ks)  # a round's drafts are several requests' windows together
+    assert all(0 < stats.extra["window"] <= policy.default_window for _, stats in results)
+
+
 def test_sampled_requests_draw_as_they_would_alone(tiny_dir):
     folder = tiny_dir("qwen2_moe")
     target = _target(folder)

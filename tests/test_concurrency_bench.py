@@ -48,6 +48,7 @@ def test_the_command_writes_its_table_and_json(tmp_path, capsys):
     saved = json.loads((tmp_path / "concurrency.json").read_text())
     rows = saved["profiles"]["qwen2moe-pcie4"]["rows"]
     assert set(rows) == {"demand-lru", "demand-host", "specter-paper", "specter"}
-    assert rows["specter"]["2"]["window"] == 8 and rows["specter-paper"]["1"]["window"] == 8
+    assert rows["specter-paper"]["1"]["window"] == 8  # its K; specter's is chosen per round (a mean)
+    assert 0 < rows["specter"]["2"]["window"] <= 32
     assert rows["specter"]["2"]["mean_accepted"] > 0  # the shipped AWQ draft's rounds accept
     assert "qwen2moe-pcie4" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 For each profile, policy and count N: N clients in a closed loop (each sends its next prompt when its
 last one finishes) over the same prompts, continuously batched on one target (``specter/batching.py``;
-a drafting policy's speculative rounds batched too, at a fixed K), on the run's clock. Reported per count: throughput (tokens per second of the clock), per-request
+a drafting policy's speculative rounds batched too; ``specter`` chooses K per round), on the run's clock. Reported per count: throughput (tokens per second of the clock), per-request
 TPOT and time to first token (medians), the 99th percentile of the gaps between a request's tokens
 (what a joining prompt's prefill stalls), and how much of each MoE layer a step's union of routed
 experts covers, with the floor that coverage puts under a step: whatever of the union the slots
@@ -137,7 +137,7 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = No
         "tpot_s": statistics.median(s.tpot_s for _, s in results),
         "ttft_s": statistics.median(s.extra["ttft_s"] for _, s in results),
         "mean_batch": statistics.fmean(s.extra["mean_batch"] for _, s in results),
-        "window": batcher.window, "mean_accepted": statistics.fmean(s.extra["mean_accepted"] for _, s in results),
+        "window": statistics.fmean(s.extra["window"] for _, s in results), "mean_accepted": statistics.fmean(s.extra["mean_accepted"] for _, s in results),
         "coverage": cover, "hit_rate": statistics.fmean(s.hit_rate for _, s in results),
         "link_floor_s": missing * target.offload.store.shape.nbytes / link.bandwidth if hasattr(link, "bandwidth") else 0.0,
     }
@@ -188,7 +188,7 @@ def table(results: dict[str, Any]) -> str:
             one = rows.get(min(rows))
             for count, r in sorted(rows.items()):
                 lines.append(
-                    f"| {policy} | {r.get('window', 0)} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
+                    f"| {policy} | {r.get('window', 0):.3g} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
                     f"{r['tpot_s'] * 1e3:.2f} | {r['tpot_s'] / one['tpot_s']:.2f} | {r['itl_p99_s'] * 1e3:.1f} | "
                     f"{r['ttft_s'] * 1e3:.2f} | "
                     f"{r['mean_batch']:.1f} | {r.get('mean_accepted', 0.0):.2f} | {r['coverage']:.0%} | {r['link_floor_s'] * 1e3:.2f} |")

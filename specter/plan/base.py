@@ -57,7 +57,13 @@ class Policy:
     def __init__(self) -> None:
         self.offload: Offload | None = None
         self.window = 0
+        self.round_drafts: int | None = None  # a batched round's draft steps, all its requests' (``Batcher``)
         self._chooser: WindowChooser | None = None
+
+    def drafts_this_round(self, k: int) -> int:
+        """Draft steps the running round makes before its verify pass: ``k`` (its K) for one
+        request; in a batched round every request drafts its K in turn (``round_drafts``)."""
+        return k if self.round_drafts is None else self.round_drafts
 
     def window_chooser(self) -> WindowChooser | None:
         """The per-round K chooser when the policy adapts its window (kept across requests:

@@ -33,7 +33,7 @@ class SpecMoEOff(Policy):
     def on_plan(self, delta: PlanDelta) -> None:
         if self.offload is None or not self.plan.add(delta):
             return
-        points = {max(1, math.ceil(f * self.window)) for f in PLAN_POINTS}
+        points = {max(1, math.ceil(f * self.drafts_this_round(self.window))) for f in PLAN_POINTS}
         if self.plan.steps in points:
             keys = self.plan.top_per_layer(slots_per_layer(self.offload))
             self.planned = set(keys)

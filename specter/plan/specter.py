@@ -94,7 +94,8 @@ class Specter(Policy):
     def begin_round(self, round_id: int) -> None:
         assert self.offload is not None
         chooser = self.window_chooser()
-        self._round_k = chooser.last if chooser is not None and chooser.last is not None else self.window
+        self._round_k = self.drafts_this_round(chooser.last if chooser is not None and chooser.last is not None
+                                               else self.window)
         self._drafted = 0
         self._mark = self.offload.clock.now()
         stale = [k for k in self._issued if self.offload.pool.is_loading(k)]

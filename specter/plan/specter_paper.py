@@ -42,7 +42,7 @@ class SpecterPaper(Policy):
 
     def begin_round(self, round_id: int) -> None:
         self.plan.reset(round_id)
-        self._next_point = max(1, math.floor(0.2 * self.window))
+        self._next_point = max(1, math.floor(0.2 * self.drafts_this_round(self.window)))
         self._last_step_end = self.offload.clock.now() if self.offload is not None else None
         self._update_bandwidth()
 

@@ -159,14 +159,14 @@ class WindowChooser:
         bonus = PLAIN_BONUS if k <= 0 else BONUS  # the plain arms differ by a few per cent at most
         return estimate * (1.0 - bonus / math.sqrt(self.measured.get(k, 0.0) + 1.0))
 
-    def record(self, k: int, draft_s: float, verify_s: float, accepted: int) -> None:
+    def record(self, k: int, draft_s: float, verify_s: float, accepted: int | None) -> None:
         """What a round of K measured: its drafting time, its verify pass time, tokens accepted
-        (a plain round counts for the arm chosen for it)."""
+        (a plain round counts for the arm chosen for it). ``accepted`` None: the round's acceptance
+        went to ``observe`` already (a batched round: per request)."""
         if k == 0 and self.arm == PLAIN_CACHED:
             k = PLAIN_CACHED
-        if k > 0:  # acceptance is the draft's and the target's: any drafting round measures it
-            self.accepted = DECAY * self.accepted + accepted
-            self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
+        if k > 0 and accepted is not None:  # acceptance is the draft's and the target's: any drafting round
+            self.observe(k, accepted)
         if self.kind != min(k, 1):
             self.kind, self.stint, self.stint_measured = min(k, 1), 0, False
         if not self.verify_s:  # the anchor (the first round of all) follows a prefill: not a sample
@@ -185,6 +185,11 @@ class WindowChooser:
             self.forward_samples += 1
             self._fit_draft(self.forwards(k), draft_s)
             self._fit_level(k, verify_s)
+
+    def observe(self, k: int, accepted: int) -> None:
+        """A window of ``k`` draft tokens had ``accepted`` of them accepted (acceptance only)."""
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
 
     def begin_request(self) -> None:
         """A request starts: its first round follows a prefill, so it measures nothing."""

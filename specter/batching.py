@@ -40,7 +40,7 @@ from specter.config import SamplingConfig
 from specter.engine import check_request, link_state
 from specter.plan import drafts
 from specter.plan.window import WindowChooser
-from specter.proposer import LocalProposer
+from specter.proposer import LocalProposer, propose_together
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.dispatch import flush_reads, host_read
@@ -202,7 +202,7 @@ class Batcher:
         request.generator = torch.Generator().manual_seed(request.sampling.seed)
         request.cache = self.target.new_cache(batched=True)
         if self.draft is not None:
-            request.proposer = LocalProposer(self.draft, self.clock)
+            request.proposer = LocalProposer(self.draft, self.clock, batched=True)
             request.proposer.prefill(request.prompt_ids, request.sampling)  # the draft is resident: one pass
         self.running.append(request)
 
@@ -225,16 +225,25 @@ class Batcher:
         self.policy.use_window_chooser(chooser)
         return chooser.choose(max(room)), chooser
 
-    def _rows(self, request: BatchRequest, k: int) -> tuple[list[int], list[int], list[Any]]:
-        """What ``request`` puts in this step — its prompt's next chunk, or its last token and the ``k``
-        draft tokens of this round — and those drafts with their distributions (sampled)."""
-        if request.fed < len(request.prompt_ids):
-            return request.prompt_ids[request.fed:request.fed + self.prefill_chunk], [], []
-        if k == 0:
-            return request.tokens[-1:], [], []
-        seq = request.prompt_ids + request.tokens
-        drafted, qs = request.proposer.propose(self.steps, seq, k, self.policy.on_plan, self.policy.route_last_draft)
-        return request.tokens[-1:] + drafted, drafted, qs
+    def _rows(self, batch: list[BatchRequest], ks: list[int]) -> list[tuple[list[int], list[int], list[Any]]]:
+        """What each request puts in this step — its prompt's next chunk, or its last token and the
+        ``ks[i]`` draft tokens of this round — and those drafts with their distributions (sampled). The
+        drafting requests draft together, one batched draft forward per step (``propose_together``)."""
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        proposals = dict(zip(drafting, propose_together(
+            self.steps, [batch[i].proposer for i in drafting],
+            [batch[i].prompt_ids + batch[i].tokens for i in drafting], [ks[i] for i in drafting],
+            self.policy.on_plan, self.policy.route_last_draft), strict=True)) if drafting else {}
+        rows: list[tuple[list[int], list[int], list[Any]]] = []
+        for i, request in enumerate(batch):
+            if request.fed < len(request.prompt_ids):
+                rows.append((request.prompt_ids[request.fed:request.fed + self.prefill_chunk], [], []))
+            elif i in proposals:
+                drafted, qs = proposals[i]
+                rows.append((request.tokens[-1:] + drafted, drafted, qs))
+            else:
+                rows.append((request.tokens[-1:], [], []))
+        return rows
 
     def _step(self) -> None:
         batch = list(self.running)
@@ -247,7 +256,7 @@ class Batcher:
         self.policy.round_drafts = sum(ks) + max(0, extra)
         self.policy.begin_round(self.steps)
         try:
-            rows = [self._rows(r, k) for r, k in zip(batch, ks, strict=True)]
+            rows = self._rows(batch, ks)
             drafted = self.clock.now()
             self.policy.begin_verify(self.steps, sum(len(x) for x, _, _ in rows))
             logits = self.target.forward_batch([torch.tensor([x]) for x, _, _ in rows], [r.cache for r in batch])

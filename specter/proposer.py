@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -92,11 +92,14 @@ class LocalProposer:
     Args:
         draft: the draft model.
         clock: the run's clock; a virtual one is charged each draft forward (``specter/timing/costs.py``).
+        batched: one of several proposers over the same draft whose forwards ``propose_together``
+            batches (its cache is one of several, never a graphed step's single static one).
     """
 
-    def __init__(self, draft: Draft, clock: WallClock | None = None):
+    def __init__(self, draft: Draft, clock: WallClock | None = None, batched: bool = False):
         self.draft = draft
         self.clock = clock or WallClock()
+        self.batched = batched and bool(getattr(draft, "batches", False))
         self.cache: DynamicCache | None = None
         self.cached = 0  # positions the draft's cache holds
         self.sampling = SamplingConfig()
@@ -105,7 +108,7 @@ class LocalProposer:
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Draft cache over the prompt; seeds the draft's generator from the request's seed."""
-        self.cache = self.draft.new_cache()
+        self.cache = self.draft.new_cache(batched=True) if self.batched else self.draft.new_cache()  # type: ignore[call-arg]
         self.cached = 0
         self._forward(prompt_ids)
         self.sampling = sampling
@@ -201,6 +204,51 @@ class LocalProposer:
         the generator at ``gen_state`` (the round's draws undone)."""
         self.rollback(cached)
         self.gen.set_state(gen_state)
+
+
+def propose_together(
+    round_id: int, proposers: list[LocalProposer], seqs: list[list[int]], ks: list[int], on_plan: OnPlan,
+    route_last: bool,
+) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Each proposer's ``ks[i]`` draft tokens after ``seqs[i]`` (what its ``propose`` returns), their
+    draft forwards batched: step j is one forward over every proposer still drafting, each feeding what
+    its own cache lacks (``DraftModel.forward_batch``). Each proposer's routing goes to ``on_plan`` as
+    its step finishes, its own positions' rows, so the policy sees what every request will need; the
+    clock is charged one forward per step. Proposers made without ``batched`` (a draft that cannot
+    batch) propose one after another."""
+    out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in proposers]
+    if not all(p.batched for p in proposers) or sum(k > 0 for k in ks) < 2:
+        return [p.propose(round_id, seq, k, on_plan, route_last) if k > 0 else ([], [])
+                for p, seq, k in zip(proposers, seqs, ks, strict=True)]
+    draft: Any = proposers[0].draft
+    pending = {i: seqs[i][p.cached:] for i, p in enumerate(proposers) if ks[i] > 0}
+    while pending:
+        order = sorted(pending)
+        feeds = [pending[i] for i in order]
+        logits = draft.forward_batch(feeds, [proposers[i].cache for i in order])
+        proposers[0].clock.charge_draft(draft.last_routing, sum(map(len, feeds)),
+                                        sum(proposers[i].cached for i in order))
+        start = 0
+        for n, i in enumerate(order):
+            proposer, rows = proposers[i], len(feeds[n])
+            routing = {layer: (ids[start:start + rows], probs[start:start + rows])
+                       for layer, (ids, probs) in draft.last_routing.items()}
+            start += rows
+            proposer.cached += rows
+            proposer.last_logits = logits[n][0, -1]
+            drafted, qs = out[i]
+            on_plan(plan_delta(round_id, len(drafted), routing))
+            if len(drafted) == ks[i]:  # the forward that routed its last draft token
+                del pending[i]
+                continue
+            token = (draft.last_tokens[n] if proposer.sampling.greedy
+                     else proposer._choose(logits[n][0, -1], qs))
+            drafted.append(token)
+            if len(drafted) == ks[i] and not route_last:
+                del pending[i]
+            else:
+                pending[i] = [token]
+    return out
 
 
 @dataclass

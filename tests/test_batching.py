@@ -7,11 +7,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specter.assets import DEFAULT_MODEL
 from specter.batching import Batcher, BatchRequest
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.decode import LEAN_FAMILIES
+from specter.proposer import LocalProposer, propose_together
 from specter.target import OffloadedTarget
 from specter.timing.dispatch import DispatchCount
 
@@ -99,6 +101,79 @@ def test_an_adaptive_policy_chooses_k_per_round_per_drafting_count_and_stays_los
     assert len(set(ks)) > 1, ks  # chosen round by round
     assert max(round_drafts) > max(ks)  # a round's drafts are several requests' windows together
     assert all(0 < stats.extra["window"] <= policy.default_window for _, stats in results)
+
+
+def test_the_awq_draft_drafts_every_request_in_one_forward_and_changes_no_token():
+    """The embedded model with its AWQ draft: each draft step is one forward over every drafting
+    request (``propose_together``), charged once; the tokens — greedy and sampled — are the engine's
+    one request at a time with the same draft."""
+    target = OffloadedTarget.load(DEFAULT_MODEL, SlotConfig(fraction=0.5), FAST, "specter+fixed", device="cpu")
+    draft = load_draft(f"{DEFAULT_MODEL}-awq", device="cpu", mode="dequant-cache")
+    assert draft.batches
+    together: list[int] = []  # sequences per batched draft forward
+    forward_batch = draft.forward_batch
+
+    def counted(inputs, caches):  # type: ignore[no-untyped-def]
+        together.append(len(inputs))
+        return forward_batch(inputs, caches)
+
+    draft.forward_batch = counted
+    prompts = [[11, 400, 3021, 77], [5, 6, 7], [900, 12, 54, 1, 88, 2]]
+    new = [14, 9, 12]
+    sampling = [SamplingConfig(temperature=0.7, seed=s) for s in range(len(prompts))]
+    try:
+        greedy = Batcher(target, max_batch=3, draft=draft, window=4).run(
+            [BatchRequest(p, n) for p, n in zip(prompts, new, strict=True)])
+        sampled = Batcher(target, max_batch=3, draft=draft, window=4).run(
+            [BatchRequest(p, n, q) for p, n, q in zip(prompts, new, sampling, strict=True)])
+        alone = [Engine(target, draft, window=4, pipelined=False).generate(p, n)[0] for p, n in zip(prompts, new, strict=True)]
+        alone_sampled = [Engine(target, draft, window=4, pipelined=False).generate(p, n, q)[0]
+                         for p, n, q in zip(prompts, new, sampling, strict=True)]
+    finally:
+        target.close()
+    assert together and max(together) == 3  # all three requests' draft steps in one forward
+    assert [tokens for tokens, _ in greedy] == alone
+    assert [tokens for tokens, _ in sampled] == alone_sampled
+    assert max(stats.extra["mean_accepted"] for _, stats in greedy) > 1
+
+
+@pytest.mark.parametrize("route_last", [False, True])
+def test_proposing_together_sends_each_request_the_plans_and_drafts_it_would_alone(route_last):
+    """``propose_together`` against each proposer's own ``propose``: the same draft tokens, and per
+    request the same plan deltas (step, layers, experts, router weights to rounding)."""
+    draft = load_draft(f"{DEFAULT_MODEL}-awq", device="cpu", mode="dequant-cache")
+    prompts = [[11, 400, 3021, 77], [5, 6, 7], [900, 12, 54, 1, 88, 2]]
+    ks = [5, 0, 3]
+
+    def fresh() -> list[LocalProposer]:
+        out = [LocalProposer(draft, batched=True) for _ in prompts]
+        for proposer, prompt in zip(out, prompts, strict=True):
+            proposer.prefill(prompt, SamplingConfig())
+        return out
+
+    seqs = [prompt + [42] for prompt in prompts]  # the prompt and the target's first token
+    alone_plans: list[list] = [[] for _ in prompts]
+    alone = []
+    for i, (proposer, seq, k) in enumerate(zip(fresh(), seqs, ks, strict=True)):
+        alone.append(proposer.propose(0, seq, k, alone_plans[i].append, route_last)[0] if k else [])
+    sent: list = []
+    together = propose_together(0, fresh(), seqs, ks, sent.append, route_last)
+    assert [drafts for drafts, _ in together] == alone
+    assert len(sent) == sum(len(p) for p in alone_plans)
+    by_request: list[list] = [[] for _ in prompts]
+    cursor = {i: 0 for i, k in enumerate(ks) if k}
+    for delta in sent:  # each delta is the next one of some request: match it to its own sequence
+        matches = [i for i in cursor if cursor[i] < len(alone_plans[i])
+                   and alone_plans[i][cursor[i]].step == delta.step
+                   and alone_plans[i][cursor[i]].experts == delta.experts]
+        assert matches, delta
+        i = matches[0]
+        expected = alone_plans[i][cursor[i]]
+        assert delta.layers == expected.layers
+        assert [pytest.approx(p, abs=1e-5) for p in delta.probs] == expected.probs
+        by_request[i].append(delta)
+        cursor[i] += 1
+    assert [len(b) for b in by_request] == [len(p) for p in alone_plans]
 
 
 def test_sampled_requests_draw_as_they_would_alone(tiny_dir):

@@ -26,7 +26,7 @@ from specter.models.decode import LeanStep
 from specter.models.families import family_for
 from specter.models.graphed import GraphedStep, StaticKV, resolve_step
 from specter.models.loader import LoadedModel, build_dense
-from specter.models.routing import Routing, read_routing, router_modules
+from specter.models.routing import Routing, read_routing, read_routing_rows, router_modules
 from specter.timing.dispatch import host_read
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class DraftModel:
         self.timings: dict[str, float] = {}
         self.last_routing: Routing = {}
         self.last_token: int | None = None  # the latest forward's last-position argmax, read with its routing
+        self.last_tokens: list[int] | None = None  # a batched forward's: each sequence's
         self._routing: Routing = {}  # the forward running now's, on the device (the routers' hooks)
         runner = DraftExperts(kernels, grouped)
         for module in loaded.experts_modules.values():
@@ -217,10 +218,10 @@ class DraftModel:
         """Dense parts plus every expert in packed form."""
         return self.dense_bytes + self.packed_bytes
 
-    def new_cache(self) -> DynamicCache | StaticKV:
+    def new_cache(self, batched: bool = False) -> DynamicCache | StaticKV:
         """An empty KV cache: the static one the graphed step writes (one sequence at a time), or a new
-        ``DynamicCache``."""
-        if self.graphed is not None:
+        ``DynamicCache`` (always when ``batched``: one of several sequences drafted together)."""
+        if self.graphed is not None and not batched:
             self.graphed.cache.reset()
             return self.graphed.cache
         return DynamicCache(config=self.model.config)
@@ -250,6 +251,29 @@ class DraftModel:
         # the routing and the last position's argmax (the greedy draft token) in one read
         self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
         return logits.float()
+
+    @property
+    def batches(self) -> bool:
+        """Whether ``forward_batch`` can run (the fused lean step of a supported family)."""
+        return self.lean is not None and self.lean.fused is not None
+
+    @torch.inference_mode()
+    def forward_batch(self, inputs: list[list[int]], caches: list[DynamicCache]) -> list[torch.Tensor]:
+        """Several sequences in one forward (``LeanStep.batch``): ``inputs[i]`` after ``caches[i]`` (each
+        a ``new_cache(batched=True)`` holding that sequence's positions). Returns each one's logits
+        (fp32, ``(1, T_i, V)``); ``last_routing`` holds every position's routing (the sequences' rows in
+        order) and ``last_tokens`` each sequence's last-position argmax, all in one read."""
+        if not self.batches:
+            raise ValueError(f"draft {self.loaded.family.model_type}: a batched forward needs the fused lean step")
+        if any(isinstance(cache, StaticKV) for cache in caches):
+            raise ValueError("a batched draft forward takes new_cache(batched=True) caches, not the static one")
+        assert self.lean is not None
+        logits = self.lean.batch([torch.tensor([ids], device=self.device) for ids in inputs], caches)
+        self._routing = self.lean.routing()
+        self.last_routing, self.last_tokens = read_routing_rows(
+            self._routing, torch.stack([row[0, -1] for row in logits]))
+        self.last_token = None
+        return [row.float() for row in logits]
 
     def _static_forward(self, input_ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
         """A forward over the static cache (``GraphedStep.forward``); a step's routing is the pieces'

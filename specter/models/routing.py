@@ -56,16 +56,22 @@ class RoutingRecorder:
 def read_routing(routing: Routing, logits: torch.Tensor | None = None) -> tuple[Routing, int | None]:
     """``routing`` (on the device) on the host, every layer's ids and probabilities in one read; with
     ``logits`` (one row) also their argmax in the same read (a greedy draft's token: no read of its own)."""
-    token = None if logits is None else torch.argmax(logits, dim=-1).reshape(1).float()
+    read, tokens = read_routing_rows(routing, None if logits is None else logits.reshape(1, -1))
+    return read, None if tokens is None else tokens[0]
+
+
+def read_routing_rows(routing: Routing, logits: torch.Tensor | None = None) -> tuple[Routing, list[int] | None]:
+    """As ``read_routing`` with ``logits`` (n, V): each row's argmax, all in the one read."""
+    tokens = None if logits is None else torch.argmax(logits, dim=-1).reshape(-1).float()
     if not routing:
-        return {}, None if token is None else int(host_read(token)[0])
+        return {}, None if tokens is None else [int(t) for t in host_read(tokens)]
     layers = sorted(routing)
     ids = torch.stack([routing[layer][0] for layer in layers])
     probs = torch.stack([routing[layer][1] for layer in layers])
-    parts = [ids.flatten().float(), probs.flatten().float()] + ([] if token is None else [token])
+    parts = [ids.flatten().float(), probs.flatten().float()] + ([] if tokens is None else [tokens])
     values = np.asarray(host_read(torch.cat(parts)), dtype=np.float32)
     count = ids.numel()
     host_ids = values[:count].astype(np.int64).reshape(ids.shape)
     host_probs = values[count : 2 * count].reshape(ids.shape)
     read = {layer: (torch.from_numpy(host_ids[i]), torch.from_numpy(host_probs[i])) for i, layer in enumerate(layers)}
-    return read, None if token is None else int(values[-1])
+    return read, None if tokens is None else [int(t) for t in values[2 * count:]]

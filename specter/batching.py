@@ -97,8 +97,8 @@ class Batcher:
         max_batch: requests decoded together at most; more wait in arrival order.
         prefill_chunk: prompt tokens a joining request feeds per step (one joining request at a time).
         draft: the draft model (``DraftModel``) for a drafting policy's speculative rounds.
-        window: K, draft tokens per round, fixed (default: the policy's; an adaptive policy's is the
-            cap of its per-round choice).
+        window: K, draft tokens per round (default: the policy's); an adaptive policy's per-round
+            choice is capped by it (``specter+fixed`` drafts K every round).
     """
 
     def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
@@ -114,10 +114,10 @@ class Batcher:
         if drafts(policy.name) and draft is None:
             raise ValueError(f"batching: policy {policy.name} drafts; give the draft model (draft=)")
         self.draft = draft
-        # an adaptive policy (``specter``) chooses K per round unless the caller fixes it: one chooser per
-        # number of drafting requests, since what a K costs grows with how many draft it together
+        # an adaptive policy (``specter``) chooses K per round, ``window`` its cap as in ``Engine``: one
+        # chooser per number of drafting requests, since what a K costs grows with how many draft it together
         self.choosers: dict[int, WindowChooser] | None = (
-            {} if draft is not None and window is None and policy.adaptive_window else None)
+            {} if draft is not None and policy.adaptive_window else None)
         if window is None:  # the policy's K (an adaptive policy's: its chooser's cap)
             window = policy.default_window
         self.window = 0 if draft is None else window

@@ -304,8 +304,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        help="instead of the side-by-side table: N concurrent requests (closed-loop clients), "
                             "continuously batched, for each N given (e.g. 1,2,4,8): throughput, TPOT, TTFT and "
                             "expert coverage per N (default policies demand-lru,demand-host,specter-paper,specter, "
-                            "profiles mixtral-pcie4,qwen2moe-pcie4; speculative rounds at a fixed K: --window, "
-                            "default the policy's, 8 for specter)")
+                            "profiles mixtral-pcie4,qwen2moe-pcie4; a drafting policy's rounds batched too, specter "
+                            "choosing K per round, --window its cap; specter+fixed drafts K every round)")
     bench.add_argument("--prefill-chunk", type=positive_int, default=16,
                        help="with --concurrency: prompt tokens a joining request feeds per step (default 16; a large "
                             "value prefills a prompt in one pass, stalling the running requests meanwhile)")

@@ -216,10 +216,7 @@ class Engine:
 
     def _bound(self, trace: Trace, costs: CostModel) -> float:
         """The decode's lower bound in seconds (``specter/bound.py``)."""
-        offload = self.target.offload
-        host = offload.host.expert_s if offload.host is not None else None
-        transfer = self.target.link.estimate_s(offload.store.shape.nbytes)
-        return lower_bound(trace, costs.expert_s, transfer, host).decode_s
+        return trace_bound(self.target, trace, costs)
 
     def generate_fresh(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -399,6 +396,15 @@ def check_request(target: OffloadedTarget, prompt_ids: list[int], max_new_tokens
             f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
             f"+ window ({window}) = {need} exceeds the model's context of {context} positions"
         )
+
+
+def trace_bound(target: OffloadedTarget, trace: Trace, costs: CostModel) -> float:
+    """The lower bound in seconds on the passes ``trace`` recorded on ``target`` (``specter/bound.py``):
+    its link's time per transfer, its host's expert times (if it computes on the host)."""
+    offload = target.offload
+    host = offload.host.expert_s if offload.host is not None else None
+    transfer = target.link.estimate_s(offload.store.shape.nbytes)
+    return lower_bound(trace, costs.expert_s, transfer, host).decode_s
 
 
 def link_state(target: OffloadedTarget) -> tuple[int, float, int]:

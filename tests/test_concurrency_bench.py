@@ -26,6 +26,8 @@ def test_every_request_is_counted_and_batches_never_exceed_n(tiny_dir):
         assert one["mean_batch"] == 1.0 and 1.0 < three["mean_batch"] <= 3.0
         assert three["coverage"] >= one["coverage"] > 0  # more requests, more of each layer's experts per step
         assert one["tokens_per_s"] == pytest.approx(one["tokens"] / one["seconds"])
+        for row in (one, three):  # no schedule of the same passes beats the bound (specter/bound.py)
+            assert 0 < row["tokens_per_s"] <= row["bound_tokens_per_s"] * (1 + 1e-9)
     table = concurrency.table(results)
     assert "| demand-host | 0 | 3 |" in table and "× N=1" in table
 
@@ -51,4 +53,7 @@ def test_the_command_writes_its_table_and_json(tmp_path, capsys):
     assert rows["specter-paper"]["1"]["window"] == 8  # its K; specter's is chosen per round (a mean)
     assert 0 < rows["specter"]["2"]["window"] <= 32
     assert rows["specter"]["2"]["mean_accepted"] > 0  # the shipped AWQ draft's rounds accept
+    for policy, by_n in rows.items():  # drafting or not, batched or not: the bound holds
+        for row in by_n.values():
+            assert 0 < row["tokens_per_s"] <= row["bound_tokens_per_s"] * (1 + 1e-9), policy
     assert "qwen2moe-pcie4" in capsys.readouterr().out

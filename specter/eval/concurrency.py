@@ -6,8 +6,10 @@ a drafting policy's speculative rounds batched too; ``specter`` chooses K per ro
 TPOT and time to first token (medians), the 99th percentile of the gaps between a request's tokens
 (what a joining prompt's prefill stalls), and how much of each MoE layer a step's union of routed
 experts covers, with the floor that coverage puts under a step: whatever of the union the slots
-cannot hold crosses the link every step (``link_floor_s``). The counts are interleaved per policy
-and every policy runs the same prompts from the same initial residency.
+cannot hold crosses the link every step (``link_floor_s``), and on the virtual clock the lower
+bound on the run's own passes (``specter/bound.py``) as the most throughput any schedule of them could
+reach (``bound_tokens_per_s``). The counts are interleaved per policy and every policy runs the same
+prompts from the same initial residency.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from specter.batching import PREFILL_CHUNK, Batcher, BatchRequest
 from specter.config import SamplingConfig
 from specter.draft.loading import load_draft
+from specter.engine import trace_bound
 from specter.eval.bench import FIXED_DRAFT_MODE, BenchConfig, load_target
 from specter.plan import drafts
 from specter.timing.costs import resolve_timing
@@ -109,6 +112,9 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = No
 
     coverage: list[float] = []
     experts = target.loaded.num_experts
+    costs = getattr(target.clock, "costs", None)  # the bound needs the cost model: virtual clock only
+    trace = target.offload.start_trace() if costs is not None else None
+    draft_mark = getattr(target.clock, "draft_charged", 0.0)
     start_wall, start = time.perf_counter(), target.clock.now()
     for _ in range(min(count, total)):
         send()
@@ -125,6 +131,11 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = No
     elapsed = target.clock.now() - start
     results = [r.result(0) for r in sent]
     tokens = sum(len(t) for t, _ in results)
+    bound_s = 0.0
+    if trace is not None and costs is not None:  # no schedule of these passes (chunks, rounds, K) is faster
+        target.offload.trace = None
+        trace.draft_s = target.clock.draft_charged - draft_mark
+        bound_s = trace_bound(target, trace, costs)
     slots = target.offload.pool.num_slots / max(1, len(target.loaded.moe_layers))
     cover = statistics.fmean(coverage) if coverage else 0.0
     missing = max(0.0, cover * experts - slots) * len(target.loaded.moe_layers)
@@ -134,6 +145,7 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = No
         "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0,
         "requests": len(results), "tokens": tokens, "seconds": elapsed, "wall_s": time.perf_counter() - start_wall,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "bound_tokens_per_s": tokens / bound_s if bound_s > 0 else 0.0,
         "tpot_s": statistics.median(s.tpot_s for _, s in results),
         "ttft_s": statistics.median(s.extra["ttft_s"] for _, s in results),
         "mean_batch": statistics.fmean(s.extra["mean_batch"] for _, s in results),
@@ -181,15 +193,22 @@ def table(results: dict[str, Any]) -> str:
     for name, block in results["profiles"].items():
         rho = f", rho {block['rho']:.1f}" if block.get("rho") else ""
         lines += ["", f"### {name}{rho}", "",
-                  "| policy | K | N | tokens/s | × N=1 | TPOT ms | × N=1 | p99 gap ms | TTFT ms | mean batch | accepted | "
-                  "experts covered | link floor ms/step |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| policy | K | N | tokens/s | × N=1 | bound tokens/s | TPOT ms | × N=1 | p99 gap ms | TTFT ms | "
+                  "mean batch | accepted | experts covered | link floor ms/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for policy, rows in block["rows"].items():
             one = rows.get(min(rows))
             for count, r in sorted(rows.items()):
                 lines.append(
                     f"| {policy} | {r.get('window', 0):.3g} | {count} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / one['tokens_per_s']:.2f} | "
+                    f"{_bound_cell(r)} | "
                     f"{r['tpot_s'] * 1e3:.2f} | {r['tpot_s'] / one['tpot_s']:.2f} | {r['itl_p99_s'] * 1e3:.1f} | "
                     f"{r['ttft_s'] * 1e3:.2f} | "
                     f"{r['mean_batch']:.1f} | {r.get('mean_accepted', 0.0):.2f} | {r['coverage']:.0%} | {r['link_floor_s'] * 1e3:.2f} |")
     return "\n".join(lines)
+
+
+def _bound_cell(row: dict[str, Any]) -> str:
+    """The bound's throughput (an upper bound for the same passes), "–" off the virtual clock."""
+    bound = row.get("bound_tokens_per_s", 0.0)
+    return f"{bound:.1f}" if bound else "–"

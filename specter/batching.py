@@ -20,8 +20,10 @@ its own caches. An adaptive policy (``specter``) chooses each round's K with the
 (``specter/plan/window.py``), one per number of drafting requests — a round's drafting and verify
 times grow with how many requests draft in it, so what K pays is learnt per count — from the round's
 times and every request's acceptance; each request drafts that K or what its last tokens leave.
-Otherwise K is fixed (the policy's or the caller's). Pipelined drafting of ``Engine`` is not used here. Greedy output of each request equals that request
-decoded alone, and transformers' ``generate`` (``tests/test_batching.py``).
+Otherwise K is fixed (the policy's or the caller's). Each draft step is one draft forward over every
+request still drafting (``propose_together``). Pipelined drafting of ``Engine`` is not used here.
+Greedy output of each request equals that request decoded alone, and transformers' ``generate``
+(``tests/test_batching.py``).
 """
 
 from __future__ import annotations
@@ -250,8 +252,9 @@ class Batcher:
         cap, chooser = self._choose(batch)
         ks = [self._k(r, cap) for r in batch]
         started = self.clock.now()
-        # every request drafts in turn before the one verify pass: the policy's deadlines count them all
-        # (a routed last token is one more forward each; the policy adds one for the round itself)
+        # the round's plan deltas are every drafting request's, all before the one verify pass: the
+        # policy's deadlines count them all (a routed last token is one more delta each; the policy
+        # adds one for the round itself)
         extra = sum(1 for k in ks if k > 0) - 1 if self.policy.route_last_draft else 0
         self.policy.round_drafts = sum(ks) + max(0, extra)
         self.policy.begin_round(self.steps)

@@ -155,8 +155,10 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = No
     }
 
 
-def plot(results: dict[str, Any], path: Path) -> Path:
-    """Throughput and TPOT against N, one panel pair per profile, × one request (matplotlib, PNG)."""
+def plot(results: dict[str, Any], path: Path, bounds: tuple[str, ...] = ("specter",)) -> Path:
+    """Throughput and TPOT against N, one panel pair per profile, × one request (matplotlib, PNG); on
+    the virtual clock the bound of the policies in ``bounds`` (dashed: the most any schedule of their
+    passes reaches) over their measured throughput at the first N."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,11 +171,16 @@ def plot(results: dict[str, Any], path: Path) -> Path:
             by_n = {int(n): row for n, row in rows.items()}  # int keys in a run, strings once saved as JSON
             counts = sorted(by_n)
             one = by_n[counts[0]]
-            axes[0][col].plot(counts, [by_n[n]["tokens_per_s"] / one["tokens_per_s"] for n in counts], "o-",
-                              label=policy)
+            line, = axes[0][col].plot(counts, [by_n[n]["tokens_per_s"] / one["tokens_per_s"] for n in counts], "o-",
+                                      label=policy)
+            if policy in bounds and all(by_n[n].get("bound_tokens_per_s") for n in counts):
+                axes[0][col].plot(counts, [by_n[n]["bound_tokens_per_s"] / one["tokens_per_s"] for n in counts],
+                                  "--", color=line.get_color(), lw=0.9, alpha=0.6)
             axes[1][col].plot(counts, [by_n[n]["tpot_s"] / one["tpot_s"] for n in counts], "o-", label=policy)
         axes[0][col].set_title(f"{name} ({results['clock']} clock)")
         axes[0][col].set_ylabel("throughput, × one request")
+        if any(p in bounds for p in results["profiles"][name]["rows"]) and results["clock"] == "virtual":
+            axes[0][col].set_title(f"{name} (virtual; dashed: {', '.join(bounds)}'s bound)")
         axes[1][col].set_ylabel("TPOT, × one request")
         axes[1][col].set_xlabel("concurrent requests N")
         for row in axes:

@@ -213,8 +213,16 @@ class ScheduledExperts(OffloadedExperts):
                 WALL.wait_until(soonest)  # one copy thread: nothing lands before it
                 continue
             if now >= end:
-                _late(keys[0], self.timeout)
+                _late(keys[0], self.timeout, self._where(keys[0]))
             idle = nap(self.remote.counters, end, idle)
+
+    def _where(self, key: Key) -> str:
+        """Where the shared index and the seq table say ``key`` is (for the error of a wait that timed out)."""
+        slot = self.index.slot(key)
+        if slot is None:
+            return "the transfer actor has placed it in no slot"
+        got, seq = self.slots.read(slot)
+        return f"the index puts it in slot {slot}, which holds {got} (seq {seq}, due {self.slots.due(slot):.3f})"
 
     def _run_slots(self, outputs: PairOutputs, layer: int, slot_of: dict[int, int], routes: LayerRoutes) -> None:
         """The experts in ``slot_of`` (pinned) from their slots in one grouped call; then they are
@@ -232,5 +240,6 @@ class ScheduledExperts(OffloadedExperts):
             self.clock.charge_expert(routes.count(e))
 
 
-def _late(key: Key, timeout: float) -> NoReturn:
-    raise LinkError(f"expert {key} did not land in a slot within {timeout:.1f}s (is the transfer actor alive?)")
+def _late(key: Key, timeout: float, where: str = "") -> NoReturn:
+    raise LinkError(f"expert {key} did not land in a slot within {timeout:.1f}s (is the transfer actor alive?)"
+                    + (f"; {where}" if where else ""))

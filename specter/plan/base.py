@@ -61,8 +61,9 @@ class Policy:
         self._chooser: WindowChooser | None = None
 
     def drafts_this_round(self, k: int) -> int:
-        """Draft steps the running round makes before its verify pass: ``k`` (its K) for one
-        request; in a batched round every request drafts its K in turn (``round_drafts``)."""
+        """Plan deltas the running round sends before its verify pass: ``k`` (its K) for one
+        request; in a batched round every drafting request's K, since the requests draft together
+        but each request's draft step is a delta of its own (``round_drafts``)."""
         return k if self.round_drafts is None else self.round_drafts
 
     def window_chooser(self) -> WindowChooser | None:

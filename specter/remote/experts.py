@@ -62,7 +62,9 @@ class ScheduledExperts(OffloadedExperts):
         self.remote, self.index = link, index
         self.slots = link.slots
         self.spec, self.host_profile = spec, host_profile
-        self.visit = 0  # MoE layers run so far (``LayerNeeds.visit``)
+        # MoE layers run so far (``LayerNeeds.visit``), counted on from the last visit of the schedule
+        # before this one (a new policy on the same index: the done table still holds its visits)
+        self.visit = max(0, index.last_visit())
         # (slot, seq) of each expert's copy this side has computed with (or the initial fill's): the
         # first use of a fresh copy counts as in flight, later ones as hits, as in process
         self._used: dict[Key, tuple[int, int]] = {}

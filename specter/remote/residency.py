@@ -11,7 +11,10 @@ and a slot it computes with is pinned there first.
 A second table, one int64 per (layer, expert), is the verifier's: after it computed an expert from a
 slot it writes there the number of the layer visit (``LayerNeeds.visit``), so the transfer side
 can tell, while a pass streams more experts through a slot group than it holds, which of the
-layer's experts are done with their slots. Named under the slots' prefix so ``unlink_prefix``
+layer's experts are done with their slots. Visit numbers never repeat on one index: a reader made
+for a new policy counts on from the highest visit in the table (``last_visit``), or an expert done in
+the old pass's visit would read as done in the new pass's, its slot free to be given up while the
+verifier still waits for it. Named under the slots' prefix so ``unlink_prefix``
 removes it.
 """
 
@@ -82,6 +85,12 @@ class SharedIndex:
         """Whether the verifier computed ``key`` in layer visit ``visit``."""
         fence()
         return int(self._done[key[0], key[1]]) == visit
+
+    def last_visit(self) -> int:
+        """The highest layer visit any expert is marked done in (-1: none). A new reader numbers its
+        visits past it: a number reused would mark the experts of an earlier pass done in the new one."""
+        fence()
+        return int(self._done.max())
 
     def unlink(self) -> None:
         """Remove the name (the mappings stay valid); idempotent."""

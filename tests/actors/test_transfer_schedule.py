@@ -175,6 +175,26 @@ def test_scheduled_in_the_transfer_actor_is_token_identical(replica, models, pol
     assert replica.server.rejected == 0
 
 
+def test_a_new_policy_never_sees_the_old_passes_experts_as_done(replica) -> None:
+    # The done table outlives a policy switch; a verifier for the new policy that numbered its layer
+    # visits from 0 again would, on the same prompt, meet the old pass's numbers: the transfer side
+    # would read an expert the pass still waits for as done and give its slot up (a wait that timed
+    # out: "placed in no slot", seen through the processes under a loaded CPU).
+    first = replica.target("demand-lru")
+    Engine(first, window=0).generate_fresh(PROMPT, NEW)
+    assert replica.index.last_visit() > 0
+    second = replica.target("demand-host")
+    offload = second.offload
+    assert isinstance(offload, ScheduledExperts)
+    layers, experts = replica.index.shape
+    for visit in range(offload.visit + 1, offload.visit + 50):
+        assert not any(replica.index.done((layer, e), visit) for layer in range(layers) for e in range(experts))
+    pool = replica.server.schedule.shared  # and the schedule protects an expert of the running layer
+    layer = replica.store.layers[0]
+    pool.running, pool.visit = frozenset({(layer, 0)}), offload.visit + 1
+    assert pool.holds((layer, 0)) and pool.in_use((layer, 0))
+
+
 def test_the_plans_reach_the_policy_in_the_transfer_actor(replica) -> None:
     target = replica.target("specter+fixed")
     seen: list[PlanDelta] = []

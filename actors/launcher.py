@@ -108,7 +108,7 @@ def launch(
         gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
         startup_timeout_s: how long the actors may take to start and load the model (worker start-up
             and loading, slow on a busy machine; separate from the peer timeouts).
-        max_batch: streams the verifier decodes together (a draft-free policy; ``specter/batching.py``).
+        max_batch: streams the verifier decodes together (``specter/batching.py``).
         draft_mode: how the draft actor computes its experts (``load_draft``'s ``mode``; ``auto`` times
             the modes on its node).
         host_profile: the profile whose host computes late experts (``simulated_host``; None: the

@@ -53,7 +53,7 @@ class ServeOptions:
     chat_template: str | None = None  # a Jinja template replacing (or supplying) the tokenizer's
     timeout_s: float = 60.0
     host_profile: str | None = None
-    max_batch: int = MAX_BATCH  # requests decoded together (a draft-free policy); 1: one at a time
+    max_batch: int = MAX_BATCH  # requests decoded together; 1: one at a time
 
     @property
     def name(self) -> str:

@@ -5,10 +5,12 @@ running request in one target pass (``OffloadedTarget.forward_batch``): the dens
 layer run once over all their positions, so an expert that several requests need is fetched and
 computed once for all of them, and the slot pool's residency (the policy's choices) serves them all.
 A request that arrives joins at the next step and feeds its prompt ``prefill_chunk`` tokens a step,
-batched with the others' tokens (chunked prefill; one joining request at a time), so a long prompt
-never stalls the running requests for more than a few tokens' worth of work a step — on an
-offloaded model a prompt's tokens route to most experts, and a whole prompt in one pass would hold
-the link for many steps. A finished or cancelled request leaves at once, its cache dropped.
+batched with the others' tokens (chunked prefill), so a long prompt never stalls the running requests
+for more than a few tokens' worth of work a step — on an offloaded model a prompt's tokens route to
+most experts, and a whole prompt in one pass would hold the link for many steps. A step feeds at most
+``prefill_chunk`` prompt tokens in all: several waiting requests join the same step while their whole
+prompts fit in that (short prompts need not queue a step each), a longer one only when no other
+prompt is being fed. A finished or cancelled request leaves at once, its cache dropped.
 
 With a draft (a drafting policy such as ``specter``), each step is a speculative round for every
 decoding request: each request's own draft (a ``LocalProposer``: its own draft cache and generator,
@@ -21,7 +23,9 @@ its own caches. An adaptive policy (``specter``) chooses each round's K with the
 times grow with how many requests draft in it, so what K pays is learnt per count — from the round's
 times and every request's acceptance; each request drafts that K or what its last tokens leave.
 Otherwise K is fixed (the policy's or the caller's). Each draft step is one draft forward over every
-request still drafting (``propose_together``). Pipelined drafting of ``Engine`` is not used here.
+request still drafting (``propose_together``), in this process (``LocalDrafter``) or in the draft
+process (``specter.remote.proposer.RemoteDrafter``: the server's streams). Pipelined drafting of
+``Engine`` is not used here.
 Greedy output of each request equals that request decoded alone, and transformers' ``generate``
 (``tests/test_batching.py``).
 """
@@ -42,7 +46,7 @@ from specter.config import SamplingConfig
 from specter.engine import check_request, link_state
 from specter.plan import drafts
 from specter.plan.window import WindowChooser
-from specter.proposer import LocalProposer, propose_together
+from specter.proposer import BatchDrafter, LocalDrafter
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.dispatch import flush_reads, host_read
@@ -97,14 +101,15 @@ class Batcher:
     Args:
         target: the offloaded target (its lean step: mixtral, qwen2_moe, qwen3_moe).
         max_batch: requests decoded together at most; more wait in arrival order.
-        prefill_chunk: prompt tokens a joining request feeds per step (one joining request at a time).
+        prefill_chunk: prompt tokens a step feeds at most, over every joining request.
         draft: the draft model (``DraftModel``) for a drafting policy's speculative rounds.
+        drafter: instead of ``draft``, what drafts them (``BatchDrafter``: the draft process's).
         window: K, draft tokens per round (default: the policy's); an adaptive policy's per-round
             choice is capped by it (``specter+fixed`` drafts K every round).
     """
 
     def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
-                 draft: Any = None, window: int | None = None):
+                 draft: Any = None, window: int | None = None, drafter: BatchDrafter | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -113,17 +118,21 @@ class Batcher:
         if target.lean is None or target.lean.fused is None:
             raise ValueError(f"batching needs the lean step; this target is {target.loaded.family.model_type}")
         policy = target.offload.policy
-        if drafts(policy.name) and draft is None:
+        if draft is not None and drafter is not None:
+            raise ValueError("batching: give the draft model (draft=) or a drafter (drafter=), not both")
+        if draft is not None:
+            drafter = LocalDrafter(draft, target.clock)
+        if drafts(policy.name) and drafter is None:
             raise ValueError(f"batching: policy {policy.name} drafts; give the draft model (draft=)")
-        self.draft = draft
+        self.drafter = drafter
         # an adaptive policy (``specter``) chooses K per round, ``window`` its cap as in ``Engine``: one
         # chooser per number of drafting requests, since what a K costs grows with how many draft it together
         self.choosers: dict[int, WindowChooser] | None = (
-            {} if draft is not None and policy.adaptive_window else None)
+            {} if drafter is not None and policy.adaptive_window else None)
         if window is None:  # the policy's K (an adaptive policy's: its chooser's cap)
             window = policy.default_window
-        self.window = 0 if draft is None else window
-        if draft is not None and not 1 <= self.window <= 64:
+        self.window = 0 if drafter is None else window
+        if drafter is not None and not 1 <= self.window <= 64:
             raise ValueError(f"window: K must lie in 1..64 for speculative rounds, got {self.window}")
         policy.window = self.window
         self.target, self.max_batch = target, max_batch
@@ -149,19 +158,32 @@ class Batcher:
             return not self.waiting and not self.running
 
     def step(self) -> bool:
-        """Admit a waiting request while there is room (none while another's prompt is still being fed),
-        then one step of every running request; False when there was nothing to do."""
+        """Admit waiting requests while there is room (``_joining``), then one step of every running
+        request; False when there was nothing to do."""
         with self._lock:
-            prefilling = any(r.fed < len(r.prompt_ids) for r in self.running)
-            request = (self.waiting.popleft() if self.waiting and len(self.running) < self.max_batch
-                       and not prefilling else None)
-        if request is not None:
+            joining = self._joining()
+        for request in joining:
             self._admit(request)
         self._drop_cancelled()
         if not self.running:
-            return request is not None
+            return bool(joining)
         self._step()
         return True
+
+    def _joining(self) -> list[BatchRequest]:
+        """The waiting requests that join this step, in arrival order (the lock held): while there is
+        room, and the step's prompt tokens stay within ``prefill_chunk`` — the first one when no prompt
+        is being fed (a long one fed a chunk a step), more while their whole prompts fit in what is left."""
+        budget = self.prefill_chunk - sum(min(len(r.prompt_ids) - r.fed, self.prefill_chunk)
+                                          for r in self.running if r.fed < len(r.prompt_ids))
+        joining: list[BatchRequest] = []
+        while self.waiting and len(self.running) + len(joining) < self.max_batch:
+            prompt = len(self.waiting[0].prompt_ids)
+            if prompt > budget and (joining or budget < self.prefill_chunk):
+                break
+            joining.append(self.waiting.popleft())
+            budget -= min(prompt, self.prefill_chunk)
+        return joining
 
     def serve(self, stop: threading.Event, lock: Any = None) -> None:
         """Step until ``stop`` is set, sleeping while there is no work (the server's engine thread);
@@ -203,9 +225,8 @@ class Batcher:
         request.before = (self.target.offload.counters.snapshot(), link_state(self.target))
         request.generator = torch.Generator().manual_seed(request.sampling.seed)
         request.cache = self.target.new_cache(batched=True)
-        if self.draft is not None:
-            request.proposer = LocalProposer(self.draft, self.clock, batched=True)
-            request.proposer.prefill(request.prompt_ids, request.sampling)  # the draft is resident: one pass
+        if self.drafter is not None:
+            request.proposer = self.drafter.start(request.prompt_ids, request.sampling)
         self.running.append(request)
 
     def _k(self, request: BatchRequest, cap: int) -> int:
@@ -230,9 +251,10 @@ class Batcher:
     def _rows(self, batch: list[BatchRequest], ks: list[int]) -> list[tuple[list[int], list[int], list[Any]]]:
         """What each request puts in this step — its prompt's next chunk, or its last token and the
         ``ks[i]`` draft tokens of this round — and those drafts with their distributions (sampled). The
-        drafting requests draft together, one batched draft forward per step (``propose_together``)."""
+        drafting requests draft together, one batched draft forward per step (the drafter's ``propose``)."""
         drafting = [i for i, k in enumerate(ks) if k > 0]
-        proposals = dict(zip(drafting, propose_together(
+        assert self.drafter is not None or not drafting
+        proposals = dict(zip(drafting, self.drafter.propose(  # type: ignore[union-attr]
             self.steps, [batch[i].proposer for i in drafting],
             [batch[i].prompt_ids + batch[i].tokens for i in drafting], [ks[i] for i in drafting],
             self.policy.on_plan, self.policy.route_last_draft), strict=True)) if drafting else {}
@@ -257,6 +279,8 @@ class Batcher:
         # adds one for the round itself)
         extra = sum(1 for k in ks if k > 0) - 1 if self.policy.route_last_draft else 0
         self.policy.round_drafts = sum(ks) + max(0, extra)
+        if self.drafter is not None:
+            self.drafter.begin_round(self.steps)
         self.policy.begin_round(self.steps)
         try:
             rows = self._rows(batch, ks)
@@ -359,7 +383,10 @@ class Batcher:
             self._finish(request, cancelled=True)
 
     def _finish(self, request: BatchRequest, error: BaseException | None = None, cancelled: bool = False) -> None:
-        request.cache = None  # its KV goes with it
+        request.cache = None  # its KV goes with it, and its draft cache
+        if request.proposer is not None and self.drafter is not None:
+            self.drafter.end(request.proposer)
+            request.proposer = None
         request.error = error
         if error is None:
             request.stats = self._stats(request, cancelled)

@@ -211,17 +211,27 @@ def propose_together(
     route_last: bool,
 ) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Each proposer's ``ks[i]`` draft tokens after ``seqs[i]`` (what its ``propose`` returns), their
-    draft forwards batched: step j is one forward over every proposer still drafting, each feeding what
-    its own cache lacks (``DraftModel.forward_batch``). Each proposer's routing goes to ``on_plan`` as
-    its step finishes, its own positions' rows, so the policy sees what every request will need; the
+    draft forwards batched (``draft_together``, each feeding what its own cache lacks)."""
+    return draft_together(round_id, proposers, [seq[p.cached:] for p, seq in zip(proposers, seqs, strict=True)],
+                          ks, on_plan, route_last)
+
+
+def draft_together(
+    round_id: int, proposers: list[LocalProposer], feeds: list[list[int]], ks: list[int], on_plan: OnPlan,
+    route_last: bool,
+) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Each proposer's ``ks[i]`` draft tokens after feeding ``feeds[i]`` (the tokens its cache lacks;
+    what its ``extend`` returns), the draft forwards batched: step j is one forward over every proposer
+    still drafting (``DraftModel.forward_batch``). Each proposer's routing goes to ``on_plan`` as its
+    step finishes, its own positions' rows, so the policy sees what every request will need; the
     clock is charged one forward per step. Proposers made without ``batched`` (a draft that cannot
-    batch) propose one after another."""
+    batch) draft one after another."""
     out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in proposers]
     if not all(p.batched for p in proposers) or sum(k > 0 for k in ks) < 2:
-        return [p.propose(round_id, seq, k, on_plan, route_last) if k > 0 else ([], [])
-                for p, seq, k in zip(proposers, seqs, ks, strict=True)]
+        return [p.extend(round_id, feed, k, on_plan, route_last) if k > 0 else ([], [])
+                for p, feed, k in zip(proposers, feeds, ks, strict=True)]
     draft: Any = proposers[0].draft
-    pending = {i: seqs[i][p.cached:] for i, p in enumerate(proposers) if ks[i] > 0}
+    pending = {i: feeds[i] for i in range(len(proposers)) if ks[i] > 0}
     while pending:
         order = sorted(pending)
         feeds = [pending[i] for i in order]
@@ -249,6 +259,52 @@ def propose_together(
             else:
                 pending[i] = [token]
     return out
+
+
+class BatchDrafter(Protocol):
+    """Drafts for the batcher's requests (``specter/batching.py``): a draft here (``LocalDrafter``) or
+    the draft process (``specter.remote.proposer.RemoteDrafter``). ``start`` gives a request's handle
+    (its ``cached`` positions, its ``rollback``), ``propose`` drafts a round for several together."""
+
+    def start(self, prompt_ids: list[int], sampling: SamplingConfig) -> Any:
+        """A request joins: its draft cache over the prompt; returns its handle."""
+
+    def begin_round(self, round_id: int) -> None:
+        """Batched round ``round_id`` starts (before the policy hears of it)."""
+
+    def propose(
+        self, round_id: int, handles: list[Any], seqs: list[list[int]], ks: list[int], on_plan: OnPlan,
+        route_last: bool,
+    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """Each request's ``ks[i]`` draft tokens after ``seqs[i]``, drafted together."""
+
+    def end(self, handle: Any) -> None:
+        """A request left: drop its draft cache (never raises)."""
+
+
+class LocalDrafter:
+    """``BatchDrafter`` over a draft model in this process: a ``LocalProposer`` per request, each with
+    its own cache and generator, the draft's weights shared."""
+
+    def __init__(self, draft: Draft, clock: WallClock | None = None):
+        self.draft, self.clock = draft, clock
+
+    def start(self, prompt_ids: list[int], sampling: SamplingConfig) -> LocalProposer:
+        proposer = LocalProposer(self.draft, self.clock, batched=True)
+        proposer.prefill(prompt_ids, sampling)  # the draft is resident: one pass
+        return proposer
+
+    def begin_round(self, round_id: int) -> None:
+        """Nothing: the round ids are the batcher's own."""
+
+    def propose(
+        self, round_id: int, handles: list[LocalProposer], seqs: list[list[int]], ks: list[int], on_plan: OnPlan,
+        route_last: bool,
+    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+        return propose_together(round_id, handles, seqs, ks, on_plan, route_last)
+
+    def end(self, handle: LocalProposer) -> None:
+        handle.cache = None
 
 
 @dataclass

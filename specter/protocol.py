@@ -23,16 +23,19 @@ from msgspec import Meta
 
 from specter.config import MIN_TEMPERATURE  # 0 is greedy; a smaller one overflows logits / T
 
-PROTOCOL_VERSION = 5  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
+PROTOCOL_VERSION = 6  # 2: the actor messages (propose, fetch, promote, drop) and timing joined;
 # 3: verify, demand, done and cancel left (no component sent them); 4: pipelined drafting
 # (ProposeRequest.ahead, AheadStart, AheadKeep); 5: the schedule in the transfer actor (UsePolicy,
-# ResetSlots, RequestStart, RoundStart, VerifyStart, LayerNeeds, RoundEnd, FetchLater, Replay)
+# ResetSlots, RequestStart, RoundStart, VerifyStart, LayerNeeds, RoundEnd, FetchLater, Replay); 6: several
+# requests drafted together (StartRequest.batched, ProposeBatch, DraftTokens.request_id, EndRequest,
+# RoundStart.drafts)
 
 # Caps that a decoder enforces: a peer cannot make us allocate more than these.
 MAX_ID = 2**31 - 1  # layer, expert, token, round and step ids
 MAX_LIST = 1 << 16  # ids in one list (experts of one layer, layers of one plan)
 MAX_TOKENS = 1 << 20  # tokens in a prompt or a finished request
 MAX_WINDOW = 1 << 10  # draft tokens in one round
+MAX_BATCH = 256  # requests drafted together in one round
 MAX_SCORE = 1e6  # router weights (some models scale them above 1; never NaN or inf)
 MAX_NAME = 256  # roles, request ids, places
 MAX_TEXT = 1 << 20  # free text and stats JSON
@@ -139,19 +142,23 @@ class DraftTokens(msgspec.Struct, frozen=True, array_like=True, tag="draft"):
         q: for sampling, one :class:`SparseProbs` per token (the warped distribution it was drawn
             from); empty when greedy.
         vocab_size: length of the dense rows of ``q`` (0 when ``q`` is empty).
+        request_id: the request they are for, in answer to a ``ProposeBatch``; "" otherwise.
     """
 
     round: Id
     tokens: Annotated[list[Id], Meta(max_length=MAX_WINDOW)]
     q: Annotated[list[SparseProbs], Meta(max_length=MAX_WINDOW)] = []
     vocab_size: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
+    request_id: Name = ""
 
 
 class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
     """Start generating for one prompt (verifier → draft: ``RemoteProposer.prefill``).
 
     Sampling fields mean what ``SamplingConfig``'s do (temperature 0: greedy; top_k 0: off);
-    ``window`` is K, 0 for the policy's default.
+    ``window`` is K, 0 for the policy's default. ``batched``: one of several requests drafted
+    together (``ProposeBatch``), kept by ``request_id`` until its ``EndRequest``; otherwise it
+    replaces the one request the draft serves by ``ProposeRequest``.
     """
 
     request_id: Name
@@ -162,6 +169,14 @@ class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):
     top_k: Annotated[int, Meta(ge=0, le=MAX_ID)] = 0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     window: Annotated[int, Meta(ge=0, le=MAX_WINDOW)] = 0
+    batched: bool = False
+
+
+class EndRequest(msgspec.Struct, frozen=True, array_like=True, tag="end_request"):
+    """A batched request ended (verifier → draft): its draft cache is dropped. An id the draft does
+    not hold (ended already) is nothing to do."""
+
+    request_id: Name
 
 
 class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
@@ -200,6 +215,25 @@ class ProposeRequest(msgspec.Struct, frozen=True, array_like=True, tag="propose"
     k: Annotated[int, Meta(ge=1, le=MAX_WINDOW)]
     route_last: bool = False
     ahead: Annotated[int, Meta(ge=0, le=MAX_WINDOW)] = 0
+
+
+class ProposeItem(msgspec.Struct, frozen=True, array_like=True):
+    """One request's part of a ``ProposeBatch``: ``keep``, ``tokens`` and ``k`` as ``ProposeRequest``'s."""
+
+    request_id: Name
+    keep: Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+    tokens: Annotated[list[Id], Meta(min_length=1, max_length=MAX_TOKENS)]
+    k: Annotated[int, Meta(ge=1, le=MAX_WINDOW)]
+
+
+class ProposeBatch(msgspec.Struct, frozen=True, array_like=True, tag="propose_batch"):
+    """Draft round ``round`` for several batched requests together (verifier → draft): each draft step
+    is one forward over every request still drafting. The draft sends each request's plan delta per
+    step (all carrying ``round``), then one ``DraftTokens`` per item, in order, naming its request."""
+
+    round: Id
+    items: Annotated[list[ProposeItem], Meta(min_length=1, max_length=MAX_BATCH)]
+    route_last: bool = False
 
 
 class AheadStart(msgspec.Struct, frozen=True, array_like=True, tag="ahead_start"):
@@ -279,11 +313,13 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True, tag="request_st
 
 class RoundStart(msgspec.Struct, frozen=True, array_like=True, tag="round_start"):
     """Round ``round`` (the engine's id) starts with window ``k``; the draft's plan deltas for it
-    carry ``wire`` (the draft's round id on the wire)."""
+    carry ``wire`` (the draft's round id on the wire). ``drafts``: the plan deltas a batched round
+    sends, every drafting request's (``Policy.round_drafts``); 0: one request's ``k``."""
 
     round: Id
     wire: Id
     k: Annotated[int, Meta(ge=0, le=MAX_WINDOW)]
+    drafts: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
 
 
 class VerifyStart(msgspec.Struct, frozen=True, array_like=True, tag="verify_start"):
@@ -334,6 +370,8 @@ Message = (
     | Shutdown
     | Error
     | ProposeRequest
+    | ProposeBatch
+    | EndRequest
     | AheadStart
     | AheadKeep
     | FetchExpert
@@ -359,6 +397,8 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Shutdown,
     Error,
     ProposeRequest,
+    ProposeBatch,
+    EndRequest,
     AheadStart,
     AheadKeep,
     FetchExpert,
@@ -444,6 +484,8 @@ def _check(msg: Message) -> None:
         raise ProtocolError(f"{type(msg).__name__}: round {msg.round} has no next round to draft ahead")
     elif isinstance(msg, RoundEnd):
         _same_lengths("RoundEnd", msg.layers, msg.experts)
+    elif isinstance(msg, ProposeBatch) and len({item.request_id for item in msg.items}) < len(msg.items):
+        raise ProtocolError("ProposeBatch: a request appears twice")
     elif isinstance(msg, StartRequest) and 0 < msg.temperature < MIN_TEMPERATURE:
         raise ProtocolError(f"StartRequest: temperature {msg.temperature} is neither 0 nor >= {MIN_TEMPERATURE}")
 
@@ -485,6 +527,7 @@ __all__ = [
     "AheadStart",
     "DraftTokens",
     "DropFetch",
+    "EndRequest",
     "Error",
     "FetchExpert",
     "FetchLater",
@@ -494,6 +537,8 @@ __all__ = [
     "Message",
     "PlanDelta",
     "PromoteFetch",
+    "ProposeBatch",
+    "ProposeItem",
     "ProposeRequest",
     "ProtocolError",
     "Replay",

@@ -220,6 +220,35 @@ def test_a_joining_prompt_is_fed_a_chunk_per_step_beside_the_running_requests(ti
     assert len(running.tokens) == 10
 
 
+def test_short_prompts_join_together_and_a_step_never_feeds_more_than_a_chunk(tiny_dir):
+    """Waiting requests join the same step while their whole prompts fit in one ``prefill_chunk``; a
+    longer prompt joins only when no other is being fed, and is fed a chunk a step."""
+    folder = tiny_dir("qwen3_moe")
+    target = _target(folder)
+    prompts = [[7, 7, 3], [33], [120, 4, 56, 9, 11], [(7 * i + 3) % 120 for i in range(25)], [64, 2]]
+    try:
+        alone = [Engine(target).generate(p, 6)[0] for p in prompts]
+        batcher = Batcher(target, max_batch=5, prefill_chunk=10)
+        requests = [batcher.submit(BatchRequest(p, 6)) for p in prompts]
+        positions = []
+        original = target.forward_batch
+
+        def counted(inputs, caches):
+            positions.append([x.shape[1] for x in inputs])
+            return original(inputs, caches)
+
+        target.forward_batch = counted  # type: ignore[method-assign]
+        while batcher.step():
+            pass
+    finally:
+        target.close()
+    assert [r.result(0)[0] for r in requests] == alone
+    assert positions[0] == [3, 1, 5]  # three short prompts in one step (9 of 10 prompt tokens)
+    assert positions[1:3] == [[1, 1, 1, 10]] * 2  # the long one alone, a chunk a step
+    assert positions[3] == [1, 1, 1, 5, 2]  # its last 5 tokens leave room for the last prompt's 2
+    assert all(sum(p) - len(p) <= 10 for p in positions)  # never more than a chunk of prompt work a step
+
+
 def test_requests_join_and_leave_mid_run_and_a_cancelled_one_frees_its_place(tiny_dir):
     folder = tiny_dir("mixtral")
     target = _target(folder, budget=0.25)

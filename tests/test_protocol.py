@@ -27,13 +27,17 @@ SAMPLES: list[P.Message] = [
     P.PlanDelta(3, 1, [0, 2], [[1, 5], [7, 0]], [[0.75, 0.25], [0.5, 0.5]]),
     P.DraftTokens(3, [7, 41]),
     P.DraftTokens(4, [3, 7], [_q_row(), _q_row()], 50),
+    P.DraftTokens(5, [7], [], 0, "b3"),
     P.StartRequest("req-1", [1, 2, 3], 16, 0.7, 0.9, 40, 1234, 4),
     P.StartRequest("req-2", [9], 8),
+    P.StartRequest("b3", [9, 4], 8, batched=True),
+    P.EndRequest("b3"),
     P.Shutdown("bye"),
     P.Error("verifier.layer3", "expert (3, 5) missing"),
     P.ProposeRequest(3, 10, [5, 6], 4, True),
     P.ProposeRequest(0, 0, [1], 1),
     P.ProposeRequest(5, 12, [7], 8, False, 6),
+    P.ProposeBatch(7, [P.ProposeItem("b3", 2, [4, 5], 3), P.ProposeItem("b4", 0, [1], 1)], True),
     P.AheadStart(6, 41),
     P.AheadKeep(6, 8),
     P.AheadKeep(9),
@@ -47,6 +51,7 @@ SAMPLES: list[P.Message] = [
     P.ResetSlots(),
     P.RequestStart(),
     P.RoundStart(3, 1027, 8),
+    P.RoundStart(4, 1028, 8, 19),
     P.VerifyStart(3, 9),
     P.LayerNeeds(2, 41, [1, 5], [0], [7]),
     P.RoundEnd(3, 2, [0, 2], [[1, 5], [0]]),
@@ -149,6 +154,12 @@ BAD = {
     "layer needs negative expert": ["layer_needs", 0, 1, [-2]],
     "round start window too large": ["round_start", 0, 0, P.MAX_WINDOW + 1],
     "use policy name too long": ["use_policy", "x" * (P.MAX_NAME + 1)],
+    "propose batch empty": ["propose_batch", 0, []],
+    "propose batch item k zero": ["propose_batch", 0, [["b1", 0, [1], 0]]],
+    "propose batch item no tokens": ["propose_batch", 0, [["b1", 0, [], 2]]],
+    "propose batch same request twice": ["propose_batch", 0, [["b1", 0, [1], 2], ["b1", 3, [2], 2]]],
+    "propose batch too many": ["propose_batch", 0, [[f"b{i}", 0, [1], 1] for i in range(P.MAX_BATCH + 1)]],
+    "round start negative drafts": ["round_start", 0, 0, 4, -1],
 }
 
 
@@ -191,11 +202,11 @@ def test_every_type_with_a_changed_tag_is_unknown(msg: P.Message) -> None:
     assert info.value.reason == P.UNKNOWN
 
 
-def test_version_is_5_and_checked_both_ways() -> None:
-    assert P.PROTOCOL_VERSION == 5  # bumped for the schedule in the transfer actor (docs/wire.md)
+def test_version_is_6_and_checked_both_ways() -> None:
+    assert P.PROTOCOL_VERSION == 6  # bumped for requests drafted together (docs/wire.md)
     assert not {"verify", "demand", "done", "cancel"} & P.TAGS
     for old in (P.Hello(1, "verifier", 3), P.Welcome(1, "draft"), P.Hello(2, "transfer", 4), P.Hello(3, "draft", 5),
-                P.Hello(4, "verifier", 6)):
+                P.Hello(4, "verifier", 6), P.Hello(5, "draft", 7)):
         assert P.decode(P.encode(old)) == old  # any version's Hello/Welcome still decodes...
         with pytest.raises(P.VersionMismatch) as info:  # ...and is refused by the version check
             P.check_version(old)

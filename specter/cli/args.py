@@ -244,7 +244,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "serve", help="an OpenAI-compatible HTTP server (Ray Serve) in front of one engine replica",
         description="Serves GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed with "
                     "\"stream\": true) and GET /health on Ray Serve, in front of the three actors. Up to --max-batch "
-                    "requests are decoded together (draft-free policies; drafting ones one at a time); the others "
+                    "requests are decoded together (a drafting policy's rounds drafted for all of them at once); the others "
                     "wait in a bounded queue (--max-queue), past "
                     "which the server answers 429 with Retry-After. A client that disconnects cancels its "
                     "request. Ctrl-C stops it. See docs/serving.md.",
@@ -267,8 +267,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests that may wait for the engine; past it, 429 with Retry-After (default 64)")
     serve.add_argument("--max-batch", type=positive_int, default=8,
-                       help="requests decoded together, continuously batched, for a draft-free policy (default 8; "
-                            "1: one at a time; drafting policies run one at a time)")
+                       help="requests decoded together, continuously batched (default 8; 1: one at a time)")
     serve.add_argument("--max-body", type=_size, default=1 << 20,
                        help="largest request body, e.g. 1MiB (default); larger ones get 413 before they are read")
     serve.add_argument("--chat-template", default=None, metavar="FILE",

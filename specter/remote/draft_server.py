@@ -17,6 +17,14 @@ back to where they were before the round, and handles the message. ``ahead_round
 
 With a ``plans`` channel (a push socket to the transfer actor, whose schedule runs on them) each
 plan delta goes there as the step ends, and to the verifier too (its prediction-recall figures).
+
+Several requests at once (the verifier's batcher, ``specter/batching.py``): a ``StartRequest`` with
+``batched`` keeps a ``LocalProposer`` of its own under its request id (its cache and generator; the
+draft's weights shared) until its ``EndRequest``; a ``ProposeBatch`` drafts a round for several of them
+together — each step one draft forward over every request still drafting (``draft_together``), each
+request's plan delta sent as its step ends — and answers one ``DraftTokens`` per request, in order.
+At most ``MAX_HELD`` batched requests are held (a verifier that died without ending its requests
+cannot grow the draft's memory without bound: the oldest is dropped).
 """
 
 from __future__ import annotations
@@ -27,13 +35,15 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.config import SamplingConfig
-from specter.proposer import Draft, LocalProposer
+from specter.proposer import Draft, LocalProposer, draft_together
 from specter.protocol import (
     AheadKeep,
     AheadStart,
     DraftTokens,
+    EndRequest,
     Error,
     PlanDelta,
+    ProposeBatch,
     ProposeRequest,
     Shutdown,
     SparseProbs,
@@ -42,6 +52,7 @@ from specter.protocol import (
 from specter.remote.channel import Channel, ChannelError, DropLog
 
 OUT_OF_RANGE, UNEXPECTED, FAILED = "out_of_range", "unexpected", "failed"
+MAX_HELD = 64  # batched requests held at once
 
 
 class Refused(ValueError):
@@ -68,7 +79,9 @@ class DraftServer:
         self, draft: Draft, channel: Channel, vocab_size: int | None = None, max_positions: int | None = None,
         plans: Channel | None = None,
     ):
+        self.draft = draft
         self.proposer = LocalProposer(draft)
+        self.batched: dict[str, LocalProposer] = {}  # the batched requests' drafts, oldest first
         self.channel = channel
         self.plans = plans
         self.rounds = 0
@@ -95,6 +108,10 @@ class DraftServer:
                 self._start(msg)
             elif isinstance(msg, ProposeRequest):
                 self._propose(msg)
+            elif isinstance(msg, ProposeBatch):
+                self._propose_batch(msg)
+            elif isinstance(msg, EndRequest):
+                self.batched.pop(msg.request_id, None)
             elif isinstance(msg, AheadKeep) and self._open is not None:
                 done, self._open = self._open, None
                 self._ahead(done.round + 1, done.drafts, done.route_last, msg.ahead)
@@ -131,7 +148,35 @@ class DraftServer:
     def _start(self, msg: StartRequest) -> None:
         self._check_tokens(list(msg.prompt_ids), len(msg.prompt_ids))
         sampling = SamplingConfig(msg.temperature, msg.top_p, msg.top_k, msg.seed)
-        self.proposer.prefill(list(msg.prompt_ids), sampling)
+        if not msg.batched:
+            self.proposer.prefill(list(msg.prompt_ids), sampling)
+            return
+        proposer = LocalProposer(self.draft, batched=True)
+        proposer.prefill(list(msg.prompt_ids), sampling)
+        self.batched.pop(msg.request_id, None)
+        self.batched[msg.request_id] = proposer
+        while len(self.batched) > MAX_HELD:
+            del self.batched[next(iter(self.batched))]
+
+    def _propose_batch(self, msg: ProposeBatch) -> None:
+        """A round for several batched requests, drafted together; one ``DraftTokens`` each, in order.
+        Every item is checked before any cache is touched."""
+        proposers = []
+        for item in msg.items:
+            proposer = self.batched.get(item.request_id)
+            if proposer is None:
+                raise Refused(f"request {item.request_id!r}: not started here (a batched StartRequest first)")
+            if item.keep > proposer.cached:
+                raise Refused(f"request {item.request_id!r}: keep {item.keep}, the draft cache holds only "
+                              f"{proposer.cached} positions")
+            self._check_tokens(list(item.tokens), item.keep + len(item.tokens) + item.k - 1 + msg.route_last)
+            proposers.append(proposer)
+        for proposer, item in zip(proposers, msg.items, strict=True):
+            proposer.rollback(item.keep)
+        out = draft_together(msg.round, proposers, [list(item.tokens) for item in msg.items],
+                             [item.k for item in msg.items], self._send_plan, msg.route_last)
+        for item, (drafts, qs) in zip(msg.items, out, strict=True):
+            self._send_tokens(msg.round, drafts, qs, item.request_id)
 
     def _propose(self, msg: ProposeRequest) -> None:
         if self.proposer.cache is None:
@@ -152,10 +197,10 @@ class DraftServer:
             self.plans.send(delta)
         self.channel.send(delta)
 
-    def _send_tokens(self, round_id: int, drafts: list[int], qs: list[torch.Tensor]) -> None:
+    def _send_tokens(self, round_id: int, drafts: list[int], qs: list[torch.Tensor], request_id: str = "") -> None:
         rows = [SparseProbs.from_dense(q.numpy()) for q in qs]
         vocab = int(qs[0].shape[-1]) if qs else 0
-        self.channel.send(DraftTokens(round_id, drafts, rows, vocab))
+        self.channel.send(DraftTokens(round_id, drafts, rows, vocab, request_id))
         self.rounds += 1
 
     def _ahead(self, round_id: int, drafts: list[int], route_last: bool, k: int) -> None:

@@ -170,6 +170,8 @@ class FrameFuzzer:
             P.StartRequest("fuzz", [1, token], 4),
             P.ProposeRequest(rng.randrange(P.MAX_ID), 0, [token], 2),
             P.ProposeRequest(0, beyond, [1], 2),  # keep past what the cache holds
+            P.StartRequest("fuzz-b", [1, token], 4, batched=True),
+            P.ProposeBatch(rng.randrange(P.MAX_ID), [P.ProposeItem("fuzz-never-started", 0, [1], 2)]),
         ]
         if t.max_positions < 4096:  # small enough to spell out
             choices.append(P.StartRequest("fuzz", [1] * (t.max_positions + rng.choice([1, 7])), 4))
@@ -194,7 +196,8 @@ class FrameFuzzer:
             P.AheadKeep(self.rng.randrange(P.MAX_ID), self.rng.randrange(3)),  # no round of that id is open
         ]
         if self.t.role == "transfer":
-            others += [P.StartRequest("r", [1], 1), P.ProposeRequest(0, 0, [1], 1), P.LinkTiming(True)]
+            others += [P.StartRequest("r", [1], 1), P.ProposeRequest(0, 0, [1], 1), P.LinkTiming(True),
+                       P.ProposeBatch(0, [P.ProposeItem("r", 0, [1], 1)]), P.EndRequest("r")]
         else:
             others += [P.FetchExpert(0, 0, 0, 0, 0), P.PromoteFetch(0), P.DropFetch(0), P.LinkTiming(False),
                        P.UsePolicy("demand-lru"), P.ResetSlots(), P.RequestStart(), P.RoundStart(0, 0, 2),

@@ -54,7 +54,7 @@ class RemotePolicy(Policy):
     def begin_round(self, round_id: int) -> None:
         chooser = self.window_chooser()
         k = chooser.last if chooser is not None and chooser.last is not None else self.window
-        self.channel.send(RoundStart(round_id, self.wire(round_id), k))
+        self.channel.send(RoundStart(round_id, self.wire(round_id), k, self.round_drafts or 0))
 
     def on_plan(self, delta: PlanDelta) -> None:
         """Nothing: the draft sends its plans to the transfer actor."""

@@ -15,11 +15,19 @@ already here go to the policy together — and asks for the one after it; if not
 On the wire a round's id is the engine's round id plus a base that grows from request to request,
 so a message left over from an earlier request (an optimistic round still in flight when its
 request ended) can never pass for one of the running request's.
+
+``RemoteDrafter`` is the batcher's drafter (``specter/batching.py``) over the same channel: each
+batched request is started on the draft under an id of its own (``StartRequest.batched``), a round
+asks for every drafting request's tokens in one ``ProposeBatch`` and reads each request's plan deltas
+(to the policy as they come) and its ``DraftTokens``; a request that leaves is ended there
+(``EndRequest``). Batched rounds take wire ids above every one used before, as a request does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -30,12 +38,15 @@ from specter.protocol import (
     AheadKeep,
     AheadStart,
     DraftTokens,
+    EndRequest,
     Error,
     PlanDelta,
+    ProposeBatch,
+    ProposeItem,
     ProposeRequest,
     StartRequest,
 )
-from specter.remote.channel import Channel, DropLog
+from specter.remote.channel import Channel, ChannelError, DropLog
 
 
 class DraftError(RuntimeError):
@@ -66,6 +77,7 @@ class RemoteProposer:
         self._ignore = DropLog("verifier: from the draft", ("stale",))
         self.stale = self._ignore.counts
         self._base = 0  # wire round id of the running request's round 0
+        self._batching = False  # batched rounds (``begin_batched``) since the last request of its own
         self._next_base = 0  # above every wire round id used so far
         self._ahead: tuple[int, int, bool] | None = None  # the optimistic round asked for: (round, K, route_last)
         self._thrown: set[int] = set()  # the request's thrown-away optimistic rounds (wire ids)
@@ -73,11 +85,8 @@ class RemoteProposer:
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Start a request on the draft (it prefills while the verifier goes on)."""
-        self._throw_ahead()  # an optimistic round still open when the last request ended
-        while (stale := self.channel.recv(0)) is not None:  # left over by a request that ended
-            self._drop(stale, -1)
+        self._new_base(0)
         self._requests += 1
-        self._base = self._next_base
         self._ahead = None
         self._thrown.clear()
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
@@ -99,6 +108,42 @@ class RemoteProposer:
         self.channel.send(ProposeRequest(wire, self.cached, list(seq[self.cached :]), k, route_last, ahead))
         tokens = self._collect(wire, lambda delta: on_plan(self._local(delta)))
         return self._finish(wire, seq, k, route_last, ahead, tokens)
+
+    def begin_batched(self, round_id: int) -> None:
+        """Batched round ``round_id`` starts; after a request of its own (or none yet) the batched rounds
+        take wire ids above every one used so far, counting on with the batcher's round ids."""
+        if not self._batching:
+            self._new_base(round_id)
+            self._batching = True
+        self._wire(round_id)
+
+    def propose_batch(
+        self, round_id: int, items: list[ProposeItem], on_plan: OnPlan, route_last: bool,
+    ) -> dict[str, DraftTokens]:
+        """Round ``round_id`` drafted for ``items`` together: each request's plan deltas reach
+        ``on_plan`` as they come; returns each request's ``DraftTokens`` by id."""
+        wire = self._wire(round_id)
+        self.channel.send(ProposeBatch(wire, items, route_last))
+        answers: dict[str, DraftTokens] = {}
+        while len(answers) < len(items):
+            msg = self._wait(wire, "answer")
+            if isinstance(msg, PlanDelta):
+                on_plan(self._local(msg))
+            elif isinstance(msg, DraftTokens):
+                answers[msg.request_id] = msg
+        if set(answers) != {item.request_id for item in items}:
+            raise DraftError(f"draft: round {wire} answered for {sorted(answers)}, "
+                             f"asked for {[item.request_id for item in items]}")
+        return answers
+
+    def _new_base(self, round_id: int) -> None:
+        """Wire ids from above every one used so far (round ``round_id`` takes the first); what an
+        earlier request left on the socket is dropped."""
+        self._throw_ahead()  # an optimistic round still open when the last request ended
+        while (stale := self.channel.recv(0)) is not None:  # left over by a request that ended
+            self._drop(stale, -1)
+        self._base = self._next_base - round_id
+        self._batching = False
 
     def ahead_stands(self, all_accepted: bool, token: int) -> bool:
         """After the verify pass: whether the optimistic round asked for stands — every draft token
@@ -204,3 +249,62 @@ class RemoteProposer:
             self.ahead_dropped += isinstance(msg, PlanDelta)
         else:
             self._ignore("stale", f"a {type(msg).__name__} that is not for round {wire}")
+
+
+@dataclass(eq=False)
+class RemoteDraftRequest:
+    """The verifier's mirror of one batched request's draft: its id there and its cache's length."""
+
+    request_id: str
+    cached: int
+
+    def rollback(self, length: int) -> None:
+        """Only ``length`` positions stand (the draft crops when the next round says so)."""
+        self.cached = min(self.cached, length)
+
+
+class RemoteDrafter:
+    """The batcher's drafter (``specter.proposer.BatchDrafter``) over the draft process.
+
+    Args:
+        proposer: the verifier's ``RemoteProposer`` (its channel, and its wire ids, which the
+            ``RemotePolicy``'s round messages name).
+    """
+
+    def __init__(self, proposer: RemoteProposer):
+        self.proposer = proposer
+        self.started = 0  # batched requests started (their ids on the draft: b1, b2, …)
+
+    def start(self, prompt_ids: list[int], sampling: SamplingConfig) -> RemoteDraftRequest:
+        self.started += 1
+        handle = RemoteDraftRequest(f"b{self.started}", len(prompt_ids))
+        self.proposer.channel.send(StartRequest(handle.request_id, list(prompt_ids), 1, sampling.temperature,
+                                                sampling.top_p, sampling.top_k, sampling.seed, batched=True))
+        return handle
+
+    def begin_round(self, round_id: int) -> None:
+        self.proposer.begin_batched(round_id)
+
+    def propose(
+        self, round_id: int, handles: list[RemoteDraftRequest], seqs: list[list[int]], ks: list[int],
+        on_plan: OnPlan, route_last: bool,
+    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+        items = [ProposeItem(h.request_id, h.cached, list(seq[h.cached:]), k)
+                 for h, seq, k in zip(handles, seqs, ks, strict=True) if k > 0]
+        answers = self.proposer.propose_batch(round_id, items, on_plan, route_last) if items else {}
+        out: list[tuple[list[int], list[torch.Tensor]]] = []
+        for handle, seq, k in zip(handles, seqs, ks, strict=True):
+            if k == 0:
+                out.append(([], []))
+                continue
+            tokens = answers[handle.request_id]
+            if len(tokens.tokens) != k:
+                raise DraftError(f"draft: request {handle.request_id} got {len(tokens.tokens)} tokens, asked for {k}")
+            handle.cached = len(seq) + k - 1 + (1 if route_last else 0)
+            out.append((list(tokens.tokens), [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]))
+        return out
+
+    def end(self, handle: RemoteDraftRequest) -> None:
+        """Tell the draft to drop the request's cache; a draft that does not read is not waited for."""
+        with contextlib.suppress(ChannelError):
+            self.proposer.channel.send(EndRequest(handle.request_id), timeout_s=0)

@@ -195,6 +195,7 @@ class TransferExperts:
         self._reap()
         self.wire, self.offset = msg.wire, msg.wire - msg.round
         self.policy.window = msg.k
+        self.policy.round_drafts = msg.drafts or None  # a batched round: every drafting request's deltas
         self.policy.begin_round(msg.round)
         for wire in [w for w in self.early if w < msg.wire]:
             self.plans_dropped += len(self.early.pop(wire))

@@ -8,8 +8,8 @@ answered 429 with ``Retry-After`` before anything is read or started. A request 
 
 Routes: ``GET /health`` (open), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (with a key set, every ``/v1`` path answers 401 without ``Authorization: Bearer KEY``).
-The engine decodes ``Settings.concurrency`` requests at once (continuously batched for a draft-free
-policy, else 1) and the queue holds the rest.
+The engine decodes ``Settings.concurrency`` requests at once (continuously batched; 1 without the
+lean step, or without a draft process for a drafting policy) and the queue holds the rest.
 """
 
 from __future__ import annotations

@@ -136,6 +136,37 @@ def test_sampling_through_actors_matches_in_process(engine, models) -> None:
     assert got["tokens"] == _in_process(folder, draft, "specter+fixed", 3, sampling)
 
 
+def _streamed(engine: EngineHandle, request_id: str, prompt: list[int], new: int):  # type: ignore[no-untyped-def]
+    return engine.verifier.stream.remote(request_id, prompt, new)
+
+
+def _drain(chunks) -> tuple[list[int], dict]:  # type: ignore[no-untyped-def]
+    tokens: list[int] = []
+    stats: dict = {}
+    for ref in chunks:
+        chunk = ray.get(ref)
+        tokens += chunk["tokens"]
+        stats = chunk.get("stats", stats)
+    return tokens, stats
+
+
+@pytest.mark.parametrize("schedule", ["transfer", "verifier"])
+def test_streams_of_a_drafting_policy_are_batched_with_their_drafts_and_each_is_itself_alone(engine, schedule) -> None:
+    """Once the verifier runs a drafting policy its streams batch (``concurrency`` > 1): each batched
+    round is drafted in the draft actor for every request together (``ProposeBatch``), and each
+    request's greedy tokens are those it gets alone."""
+    prompts = [PROMPT, [7, 7, 3], [120, 4, 56, 9, 11], [33, 2]]
+    alone = [engine.generate(p, NEW, policy="specter+fixed", window=3, schedule=schedule)["tokens"] for p in prompts]
+    assert ray.get(engine.verifier.concurrency.remote()) > 1
+    streams = [_streamed(engine, f"draft-batch-{schedule}-{i}", p, NEW) for i, p in enumerate(prompts)]
+    results = [_drain(chunks) for chunks in streams]
+    assert [tokens for tokens, _ in results] == alone
+    assert max(stats["mean_batch"] for _, stats in results) > 1  # they shared steps
+    assert all(stats["rounds"] > 0 and stats["mean_accepted"] > 0 for _, stats in results)
+    engine.generate(PROMPT, NEW, policy="demand-lru", schedule="transfer")  # back to the module's default
+    assert engine.link_counters()["rejected"] == 0
+
+
 def test_a_sealed_replica_has_no_names_to_leak_and_shutdown_leaves_no_actor(engine) -> None:
     names, ipc_dir, prefix = list(engine.names), engine.ipc_dir, engine.prefix
     assert len(names) == 3 and ipc_dir

@@ -16,13 +16,17 @@ import torch
 from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
+from specter.assets import DEFAULT_MODEL
+from specter.batching import Batcher, BatchRequest
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.draft.loading import load_draft
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
 from specter.experts.slots import SlotPool
 from specter.models.loader import build_dense, load_store
 from specter.plan import make_policy
 from specter.plan.base import Policy
+from specter.proposer import Draft
 from specter.protocol import LayerNeeds, PlanDelta, RoundStart, UsePolicy
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
@@ -31,7 +35,7 @@ from specter.remote.endpoints import private_ipc_dir
 from specter.remote.experts import ScheduledExperts
 from specter.remote.link import RemoteLink
 from specter.remote.policy import RemotePolicy
-from specter.remote.proposer import RemoteProposer
+from specter.remote.proposer import RemoteDrafter, RemoteProposer
 from specter.remote.residency import SharedIndex
 from specter.remote.scheduler import TransferExperts
 from specter.remote.segments import new_prefix, unlink_prefix
@@ -62,7 +66,7 @@ def _serve(name: str, target, *args) -> Iterator[threading.Event]:  # type: igno
 class Replica:
     """Transfer server + draft server in threads, the verifier's target in this thread."""
 
-    def __init__(self, folder: Path, draft: Path | None, stack: ExitStack):
+    def __init__(self, folder: Path, draft: Path | Draft | None, stack: ExitStack):
         host = build_dense(folder, torch.float32)
         self.store = load_store(host)
         groups = slot_groups(BUDGET, host)
@@ -87,7 +91,8 @@ class Replica:
             pair = stack.enter_context(_closing(Channel("pair", ipc.endpoint("draft"), bind=True, peer="verifier")))
             plans = stack.enter_context(_closing(Channel("push", pull.address, bind=False, peer="transfer")))
             plans.handshake("draft", 10)
-            self.draft_server = DraftServer(ResidentDraft(draft), pair, plans=plans)
+            self.draft_server = DraftServer(ResidentDraft(draft) if isinstance(draft, Path) else draft, pair,
+                                            plans=plans)
 
             def drafting(stop: threading.Event) -> None:
                 pair.handshake("draft", 10)
@@ -151,6 +156,13 @@ def same_replica(models) -> Iterator[Replica]:
     """The target as its own draft: every round drafted ahead stands."""
     with ExitStack() as stack:
         yield Replica(models[0], models[0], stack)
+
+
+@pytest.fixture(scope="module")
+def awq_replica() -> Iterator[Replica]:
+    """The embedded model, its AWQ draft (which drafts several sequences in one forward) in the draft server."""
+    with ExitStack() as stack:
+        yield Replica(Path(DEFAULT_MODEL), load_draft(f"{DEFAULT_MODEL}-awq", device="cpu", mode="dequant-cache"), stack)
 
 
 def _reference(folder: Path) -> list[int]:
@@ -337,3 +349,65 @@ def test_schedule_messages_that_name_nothing_are_refused(replica) -> None:
     assert server.rejections[OUT_OF_RANGE] == before[OUT_OF_RANGE] + 2
     server.handle(RoundStart(0, 0, 0))  # in range: handled
     assert server.rejections[OUT_OF_RANGE] == before[OUT_OF_RANGE] + 2
+
+
+BATCH_PROMPTS = [[11, 400, 3021, 77], [5, 6, 7], [900, 12, 54, 1, 88, 2]]
+BATCH_NEW = [14, 9, 12]
+
+
+@pytest.mark.parametrize("policy", ["specter", "specter-paper"])
+def test_batched_rounds_are_drafted_together_in_the_draft_process(awq_replica, policy) -> None:
+    """The batcher's rounds through the draft server (``RemoteDrafter``): every drafting request's step
+    in one draft forward there, the plans of them all reaching the schedule in the transfer server (its
+    round counts them all), greedy tokens those of the target decoding each request alone."""
+    replica = awq_replica
+    draft = replica.draft_server.draft
+    together: list[int] = []
+    forward_batch = draft.forward_batch
+
+    def counted(inputs, caches):  # type: ignore[no-untyped-def]
+        together.append(len(inputs))
+        return forward_batch(inputs, caches)
+
+    target = replica.target(policy)
+    schedule = replica.server.schedule
+    assert schedule is not None
+    drafts_seen: list[int] = []
+    begin_round = schedule.policy.begin_round
+    schedule.policy.begin_round = lambda r: (drafts_seen.append(schedule.policy.drafts_this_round(4)),  # type: ignore[method-assign]
+                                             begin_round(r))
+    draft.forward_batch = counted
+    try:
+        results = Batcher(target, max_batch=3, drafter=RemoteDrafter(replica.proposer), window=4).run(
+            [BatchRequest(p, n) for p, n in zip(BATCH_PROMPTS, BATCH_NEW, strict=True)])
+    finally:
+        draft.forward_batch = forward_batch
+    plain = OffloadedTarget.load(DEFAULT_MODEL, BUDGET, LINK, "demand-lru", device="cpu")
+    try:
+        alone = [Engine(plain, window=0).generate(p, n)[0] for p, n in zip(BATCH_PROMPTS, BATCH_NEW, strict=True)]
+    finally:
+        plain.close()
+    assert [tokens for tokens, _ in results] == alone
+    assert together and max(together) == 3  # all three requests' draft steps in one forward, in the draft process
+    assert max(drafts_seen) > 4  # a round's plans are several requests' drafts, and the transfer side knew
+    assert max(stats.extra["mean_accepted"] for _, stats in results) > 1
+    assert replica.server.rejected == 0 and not replica.draft_server.rejections["failed"]
+    deadline = time.monotonic() + 10.0  # each request ended on the draft too (EndRequest): no cache left held
+    while replica.draft_server.batched and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not replica.draft_server.batched
+
+
+def test_batched_sampling_through_the_draft_process_equals_in_process(awq_replica) -> None:
+    """Sampled, K fixed: the draft process's batched rounds draw what the in-process batcher draws."""
+    replica = awq_replica
+    sampling = [SamplingConfig(temperature=0.7, seed=s) for s in range(len(BATCH_PROMPTS))]
+    requests = lambda: [BatchRequest(p, n, q) for p, n, q in zip(BATCH_PROMPTS, BATCH_NEW, sampling, strict=True)]  # noqa: E731
+    remote = Batcher(replica.target("specter+fixed"), max_batch=3, drafter=RemoteDrafter(replica.proposer),
+                     window=3).run(requests())
+    local_target = OffloadedTarget.load(DEFAULT_MODEL, BUDGET, LINK, "specter+fixed", device="cpu")
+    try:
+        local = Batcher(local_target, max_batch=3, draft=replica.draft_server.draft, window=3).run(requests())
+    finally:
+        local_target.close()
+    assert [tokens for tokens, _ in remote] == [tokens for tokens, _ in local]

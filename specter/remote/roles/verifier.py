@@ -12,9 +12,10 @@ as in process (``specter/remote/shared_store.py`` says why here and not in the t
 is a ``RemoteProposer``. A request starts with one Ray call (``generate``) and returns tokens and
 stats; nothing per token crosses Ray. ``stream`` is the same request handing out each round's
 tokens as they commit (the server's streamed responses), and ``cancel`` ends one at its next round.
-Streams of a draft-free policy run continuously batched (``specter/batching.py``): up to ``max_batch``
-of them share each step, on the slot pool as the requests before them left it; a drafting policy's
-streams run one at a time, each from the initial residency as ``generate``'s.
+Streams run continuously batched (``specter/batching.py``): up to ``max_batch`` of them share each
+step, on the slot pool as the requests before them left it. A drafting policy's batched rounds are
+drafted in the draft process, every drafting request's together (``RemoteDrafter``); without a draft
+process its streams run one at a time, each from the initial residency as ``generate``'s.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from specter.remote.counters import SharedCounters
 from specter.remote.experts import RemoteExperts, ScheduledExperts
 from specter.remote.link import RemoteLink
 from specter.remote.policy import RemotePolicy
-from specter.remote.proposer import RemoteProposer
+from specter.remote.proposer import RemoteDrafter, RemoteProposer
 from specter.remote.residency import SharedIndex
 from specter.remote.roles.base import DEVICE, Metrics, NoMetrics, compute_dtype
 from specter.remote.shared_store import SharedArena, store_name
@@ -88,6 +89,7 @@ class VerifierRole:
         self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
         self.target: OffloadedTarget | None = None
         self.proposer: RemoteProposer | None = None
+        self.drafter: RemoteDrafter | None = None  # the batcher's, over the proposer's channel
         self.channels: list[Channel] = []
         self._requests = 0  # requests started since the process started
         self._cancelled: dict[str, None] = {}  # streamed requests asked to stop (cancel): an ordered set
@@ -123,6 +125,7 @@ class VerifierRole:
             self.channels.append(draft_channel)
             draft_channel.handshake("verifier")
             self.proposer = RemoteProposer(draft_channel, self.timeout_s)
+            self.drafter = RemoteDrafter(self.proposer)
         self._build(self.policy_name)
         return self.slots.num_slots
 
@@ -222,15 +225,16 @@ class VerifierRole:
                 self._cancelled.pop(request_id, None)
 
     def batches(self, options: dict[str, Any] | None = None) -> bool:
-        """Whether streams run batched: a draft-free policy on a target with the lean step, and no
-        request option that only ``generate`` honours (another policy, a window, a schedule)."""
+        """Whether streams run batched: a target with the lean step, a draft process for a drafting
+        policy, and no request option that only ``generate`` honours (another policy, a window, a
+        schedule)."""
         options = options or {}
         if (options.get("policy") not in (None, self.policy_name) or options.get("window") is not None
                 or options.get("schedule") is not None or options.get("untimed_prefill")):
             return False
         target = self.target
-        return (self.max_batch > 1 and not drafts(self.policy_name) and target is not None
-                and target.lean is not None and target.lean.fused is not None)
+        return (self.max_batch > 1 and (self.drafter is not None or not drafts(self.policy_name))
+                and target is not None and target.lean is not None and target.lean.fused is not None)
 
     def concurrency(self) -> int:
         """How many streams the engine decodes at once (1: one at a time)."""
@@ -241,7 +245,8 @@ class VerifierRole:
         with self._lock:
             if self._batcher is None:
                 assert self.target is not None, "connect() first"
-                self._batcher = Batcher(self.target, self.max_batch)
+                drafter = self.drafter if drafts(self.policy_name) else None
+                self._batcher = Batcher(self.target, self.max_batch, drafter=drafter)
                 self._batching_stop.clear()
                 self._batching = threading.Thread(target=self._batcher.serve, args=(self._batching_stop,
                                                   self._engine_lock), name="batcher", daemon=True)

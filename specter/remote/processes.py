@@ -74,12 +74,14 @@ class RoleProcess:
         child.close()
         self.lock = threading.Lock()
         self.pid = self.process.pid
+        self.started = False  # it said it was built
 
     def ready(self, timeout_s: float, watch: Sequence[RoleProcess] = ()) -> None:
         """Wait until the role is built (loading a model takes a while)."""
         kind, value = self._receive(timeout_s, watch, "start")
         if kind != "ready":
             raise RoleError(f"{self.role} process could not start: {value}")
+        self.started = True
 
     def call(self, method: str, *args: Any, timeout: float | None = None, watch: Sequence[RoleProcess] = (),
              **kwargs: Any) -> Any:
@@ -132,8 +134,16 @@ class RoleProcess:
         except (EOFError, OSError):
             raise self._gone(f"during {what}") from None
 
-    def _gone(self, when: str) -> RoleGone:
+    def _gone(self, when: str) -> RoleGone | RoleError:
+        """What to raise for this process having ended: why it could not start, when it said so
+        before it exited (seen by another role's wait as much as by its own), else how it ended."""
         self.process.join(0.5)
+        if not self.started:
+            with contextlib.suppress(EOFError, OSError):
+                if self.conn.poll(0):
+                    kind, value = self.conn.recv()
+                    if kind == "error":
+                        return RoleError(f"{self.role} process could not start: {value}")
         code = self.process.exitcode
         how = "is gone" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with status {code}")
         return RoleGone(f"the {self.role} process (pid {self.pid}) {how} {when}")

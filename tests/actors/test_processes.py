@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
-from specter.remote.processes import ProcessEngine, RoleError, RoleGone, launch_processes
+from specter.remote.processes import ProcessEngine, RoleError, RoleGone, RoleProcess, launch_processes
+from specter.remote.segments import unlink_prefix
 from specter.target import OffloadedTarget
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
@@ -110,6 +111,25 @@ def test_a_role_that_cannot_start_is_named_and_nothing_is_left(models, tmp_path)
     with pytest.raises(RoleError, match="draft process could not start"):
         launch_processes(folder, tmp_path / "no-such-draft", BUDGET, LINK, policy="specter", timeout_s=30)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"specter-p{os.getpid()}-")]
+
+
+def test_a_role_that_fails_while_another_still_loads_is_named_by_its_own_error(models, tmp_path) -> None:
+    """The draft fails at once while the transfer process is still loading: the driver, waiting on the
+    transfer and watching the draft, reports the draft's own error, not just that its process exited
+    (which launch order made intermittent: seen once in a run of the actor tests)."""
+    folder, _ = models
+    draft = RoleProcess("draft", str(tmp_path / "no-such-draft"), 30.0, "auto")
+    draft.process.join(120)  # it has sent its error and exited
+    assert not draft.alive()
+    prefix = f"specter-p{os.getpid()}-{os.urandom(4).hex()}"
+    transfer = RoleProcess("transfer", str(folder), BUDGET, LINK, prefix, 30.0)
+    try:
+        with pytest.raises(RoleError, match="draft process could not start: .*no-such-draft"):
+            transfer.ready(120, [draft])  # just spawned: still importing when the watch looks
+    finally:
+        transfer.stop(10)
+        draft.stop(1)
+        unlink_prefix(prefix)
 
 
 def test_specter_generate_processes_on_the_command_line(models) -> None:

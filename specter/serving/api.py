@@ -244,9 +244,11 @@ def _boolean(value: Any, name: str) -> bool:
 
 
 def figures(stats: dict[str, Any]) -> dict[str, Any]:
-    """Specter's own figures of a finished request (the response's ``specter`` field)."""
+    """Specter's own figures of a finished request (the response's ``specter`` field). Not the engine's
+    ``cancelled``: a response that reaches its client was not abandoned, and a stop string that ends it
+    stops the engine the same way (it would read true for a plain ``finish_reason`` ``stop``)."""
     keys = ("tpot_s", "prefill_s", "decode_s", "hit_rate", "recall", "mean_accepted", "rounds", "hits",
-            "inflight", "misses", "bytes_moved", "link_busy_fraction", "policy", "cancelled", "mean_batch")
+            "inflight", "misses", "bytes_moved", "link_busy_fraction", "policy", "mean_batch")
     return {k: stats[k] for k in keys if k in stats}
 
 

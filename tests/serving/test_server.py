@@ -136,6 +136,7 @@ def test_models_chat_and_stop(server):
     stop = full[5:9]  # a stop string that appears in the text: the answer ends just before it
     cut = client.completions.create(model="moe-fine", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
     assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert "cancelled" not in cut.model_extra["specter"]  # the stop string ended the engine's request: not a cancel
 
 
 def test_sixteen_concurrent_streams_are_batched_and_each_equals_its_single_request_text(server):

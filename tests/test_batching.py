@@ -26,6 +26,19 @@ def _target(folder, budget: float = 0.5, policy: str = "demand-lru") -> Offloade
     return OffloadedTarget.load(folder, SlotConfig(fraction=budget), FAST, policy, device="cpu")
 
 
+def _positions_per_pass(target: OffloadedTarget) -> list[list[int]]:
+    """From now on, each batched target pass appends the positions each of its requests fed."""
+    positions: list[list[int]] = []
+    original = target.forward_batch
+
+    def counted(inputs, caches):  # type: ignore[no-untyped-def]
+        positions.append([x.shape[1] for x in inputs])
+        return original(inputs, caches)
+
+    target.forward_batch = counted  # type: ignore[method-assign]
+    return positions
+
+
 @pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
 def test_each_request_of_a_batch_is_transformers_generate(family, tiny_dir):
     folder = tiny_dir(family)
@@ -202,14 +215,7 @@ def test_a_joining_prompt_is_fed_a_chunk_per_step_beside_the_running_requests(ti
         while not running.tokens:
             batcher.step()
         joining = batcher.submit(BatchRequest(long_prompt, 10))
-        positions = []
-        original = target.forward_batch
-
-        def counted(inputs, caches):
-            positions.append([x.shape[1] for x in inputs])
-            return original(inputs, caches)
-
-        target.forward_batch = counted  # type: ignore[method-assign]
+        positions = _positions_per_pass(target)
         while batcher.step():
             pass
     finally:
@@ -230,14 +236,7 @@ def test_short_prompts_join_together_and_a_step_never_feeds_more_than_a_chunk(ti
         alone = [Engine(target).generate(p, 6)[0] for p in prompts]
         batcher = Batcher(target, max_batch=5, prefill_chunk=10)
         requests = [batcher.submit(BatchRequest(p, 6)) for p in prompts]
-        positions = []
-        original = target.forward_batch
-
-        def counted(inputs, caches):
-            positions.append([x.shape[1] for x in inputs])
-            return original(inputs, caches)
-
-        target.forward_batch = counted  # type: ignore[method-assign]
+        positions = _positions_per_pass(target)
         while batcher.step():
             pass
     finally:

@@ -145,6 +145,15 @@ class DraftServer:
         if max(tokens, default=0) >= self.vocab_size:
             raise Refused(f"a token id is >= the vocabulary size {self.vocab_size}")
 
+    def _check_round(self, proposer: LocalProposer, keep: int, tokens: list[int], k: int, route_last: bool,
+                     who: str = "") -> None:
+        """Refuse a round whose ``keep`` is past what ``proposer``'s cache holds, or whose tokens or
+        positions do not fit the draft: ``extend`` runs the tokens, K - 1 drafted ones, and the K-th
+        with ``route_last``."""
+        if keep > proposer.cached:
+            raise Refused(f"{who}keep {keep}: the draft cache holds only {proposer.cached} positions")
+        self._check_tokens(tokens, keep + len(tokens) + k - 1 + route_last)
+
     def _start(self, msg: StartRequest) -> None:
         self._check_tokens(list(msg.prompt_ids), len(msg.prompt_ids))
         sampling = SamplingConfig(msg.temperature, msg.top_p, msg.top_k, msg.seed)
@@ -166,10 +175,8 @@ class DraftServer:
             proposer = self.batched.get(item.request_id)
             if proposer is None:
                 raise Refused(f"request {item.request_id!r}: not started here (a batched StartRequest first)")
-            if item.keep > proposer.cached:
-                raise Refused(f"request {item.request_id!r}: keep {item.keep}, the draft cache holds only "
-                              f"{proposer.cached} positions")
-            self._check_tokens(list(item.tokens), item.keep + len(item.tokens) + item.k - 1 + msg.route_last)
+            self._check_round(proposer, item.keep, list(item.tokens), item.k, msg.route_last,
+                              f"request {item.request_id!r}: ")
             proposers.append(proposer)
         for proposer, item in zip(proposers, msg.items, strict=True):
             proposer.rollback(item.keep)
@@ -181,10 +188,7 @@ class DraftServer:
     def _propose(self, msg: ProposeRequest) -> None:
         if self.proposer.cache is None:
             raise Refused("no request started (StartRequest first)")
-        if msg.keep > self.proposer.cached:
-            raise Refused(f"keep {msg.keep}: the draft cache holds only {self.proposer.cached} positions")
-        # extend() runs the pending tokens, K - 1 drafted ones, and the K-th with route_last
-        self._check_tokens(list(msg.tokens), msg.keep + len(msg.tokens) + msg.k - 1 + msg.route_last)
+        self._check_round(self.proposer, msg.keep, list(msg.tokens), msg.k, msg.route_last)
         self.proposer.rollback(msg.keep)
 
         drafts, qs = self.proposer.extend(msg.round, list(msg.tokens), msg.k, self._send_plan, msg.route_last)

@@ -196,13 +196,11 @@ class RemoteProposer:
     def _finish(
         self, wire: int, seq: list[int], k: int, route_last: bool, ahead: int, tokens: DraftTokens
     ) -> tuple[list[int], list[torch.Tensor]]:
-        if len(tokens.tokens) != k:
-            raise DraftError(f"draft: round {wire} returned {len(tokens.tokens)} tokens, asked for {k}")
-        self.cached = len(seq) + k - 1 + (1 if route_last else 0)
+        drafted = _drafted(tokens, k, f"round {wire}")
+        self.cached = _cached_after(seq, k, route_last)
         self._ahead = (wire + 1, ahead, route_last) if ahead else None
         self.ahead_asked += bool(ahead)
-        qs = [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]
-        return list(tokens.tokens), qs
+        return drafted
 
     def _throw_ahead(self) -> None:
         """The optimistic round asked for does not stand: its messages are dropped from now on (the
@@ -297,14 +295,24 @@ class RemoteDrafter:
             if k == 0:
                 out.append(([], []))
                 continue
-            tokens = answers[handle.request_id]
-            if len(tokens.tokens) != k:
-                raise DraftError(f"draft: request {handle.request_id} got {len(tokens.tokens)} tokens, asked for {k}")
-            handle.cached = len(seq) + k - 1 + (1 if route_last else 0)
-            out.append((list(tokens.tokens), [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]))
+            out.append(_drafted(answers[handle.request_id], k, f"request {handle.request_id}"))
+            handle.cached = _cached_after(seq, k, route_last)
         return out
 
     def end(self, handle: RemoteDraftRequest) -> None:
         """Tell the draft to drop the request's cache; a draft that does not read is not waited for."""
         with contextlib.suppress(ChannelError):
             self.proposer.channel.send(EndRequest(handle.request_id), timeout_s=0)
+
+
+def _drafted(tokens: DraftTokens, k: int, what: str) -> tuple[list[int], list[torch.Tensor]]:
+    """The draft tokens of an answer and their dense q rows (sampled); ``DraftError`` unless it has ``k``."""
+    if len(tokens.tokens) != k:
+        raise DraftError(f"draft: {what} returned {len(tokens.tokens)} tokens, asked for {k}")
+    return list(tokens.tokens), [torch.from_numpy(row.to_dense(tokens.vocab_size)) for row in tokens.q]
+
+
+def _cached_after(seq: list[int], k: int, route_last: bool) -> int:
+    """Positions the draft's cache holds after a round of ``k`` drafts after ``seq``: the sequence but its
+    last token's successor, the K - 1 drafts it fed, and the K-th with ``route_last``."""
+    return len(seq) + k - 1 + (1 if route_last else 0)

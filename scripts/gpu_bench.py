@@ -14,7 +14,13 @@ differing per repeat), with medians over ``--repeats``:
 * ``engine``: Specter's engine, every expert resident (budget 1.0, demand-lru);
 * ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %);
 * ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
-  steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target.
+  steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target;
+* ``demand-lru-processes``, ``specter-processes`` (``--processes``; the first budget): the same
+  policies through the three roles as plain processes (``specter/remote/processes.py``): the transfer
+  process's copy stream writes the slots the verifier reads by CUDA IPC. One replica per shape serves
+  them all (launched once, before the discarded pass); its rows add the TPOT ratio to the same policy
+  in process and, for ``demand-lru`` (every copy a demand), the copy engine's busy share of the time a
+  demand copy was queued or moving.
 
 Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / K per speculative
 round (and the share of rounds ``specter``'s K chooser made plain),
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gain", type=float, default=None, help="override every shape's agreement knob")
     parser.add_argument("--extra", default="",
                         help="more policies (options allowed, e.g. specter+nohost) run at the first budget")
+    parser.add_argument("--processes", default="demand-lru,specter",
+                        help="policies also run through the three processes at the first budget ('' for none)")
     parser.add_argument("--models", default=None,
                         help="folder for the synthetic checkpoints (default: a temporary one, removed at the end; "
                              "never under --out, whose files travel back from a device)")
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in args.shapes.split(",") if s]
     from specter.plan import policy_class
 
-    for policy in (p for p in args.extra.split(",") if p):
+    for policy in (p for p in f"{args.extra},{args.processes}".split(",") if p):
         try:
             policy_class(policy)
         except ValueError as exc:
@@ -134,6 +142,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
     settings += [(policy, budgets[0]) for policy in args.extra.split(",") if policy]
+    settings += [(f"{policy}-processes", budgets[0]) for policy in args.processes.split(",") if policy]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
     gen = torch.Generator().manual_seed(0)
     runner = Runner(folder, device, dtype, cuda)
@@ -159,9 +168,13 @@ def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, 
     """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times."""
     summary = {name: summarize(rows) for name, rows in runs.items() if rows}
     for name, row in summary.items():
-        base = summary.get(f"demand-lru@{name.split('@')[1]}")
+        setting, budget = name.split("@")
+        base = summary.get(f"demand-lru@{budget}")
         if base is not None and base["tpot_ms"] and row["tpot_ms"]:
             row["vs_demand_lru"] = round(base["tpot_ms"] / row["tpot_ms"], 3)
+        alone = summary.get(f"{setting.removesuffix('-processes')}@{budget}") if setting.endswith("-processes") else None
+        if alone is not None and alone["tpot_ms"]:
+            row["vs_in_process"] = round(row["tpot_ms"] / alone["tpot_ms"], 3)
     resident = summary.get("engine@1", {}).get("tpot_ms")
     draft_step = {mode: {"ms": ms, "vs_target_step": round(ms / resident, 3) if resident else None}
                   for mode, ms in steps.items()}
@@ -199,6 +212,8 @@ class Runner:
         self.link = LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=2e9, latency=10e-6)
         self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype)
         self.eager_draft: Any = None
+        self.processes: Any = None  # the three roles as processes (launched by the first ``-processes`` run)
+        self.moe_layers = 1  # the target's MoE layers (known from the first run in process)
 
     def _draft(self, eager: bool) -> Any:
         """The draft (its steps graphed where the device allows), or its eager twin for ``-eager`` rows."""
@@ -214,6 +229,8 @@ class Runner:
     def run(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
         if policy == "transformers":
             return self._transformers(prompt, new_tokens)
+        if policy.endswith("-processes"):
+            return self._through_processes(policy.removesuffix("-processes"), budget, prompt, new_tokens)
         from specter.config import SlotConfig
         from specter.engine import Engine
         from specter.target import OffloadedTarget
@@ -228,7 +245,7 @@ class Runner:
             engine = Engine(target, self._draft(eager) if window else None, window=window)
             engine.generate_fresh(prompt, 2)  # warm-up: kernels chosen, caches allocated
             tokens, stats = engine.generate_fresh(prompt, new_tokens)
-            layers = len(target.loaded.moe_layers)
+            layers = self.moe_layers = len(target.loaded.moe_layers)
             graphs = target.graphed.captures if target.graphed is not None else 0
             failure = target.graphed.failure if target.graphed is not None else None
         finally:
@@ -244,6 +261,34 @@ class Runner:
                 "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                 "link_busy": stats.link_busy_fraction,
                 "reads_per_layer_token": stats.extra["host_reads"] / max(1, (len(tokens) - 1) * layers)}
+
+    def _through_processes(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+        """One request through the three processes (launched at the first call, at its budget)."""
+        from specter.config import SlotConfig
+        from specter.remote.processes import launch_processes
+
+        if self.processes is None:
+            self.processes = launch_processes(self.folder / "target", self.folder / "draft", SlotConfig(fraction=budget),
+                                              self.link, policy=policy, timeout_s=120, draft_mode="dequant-cache",
+                                              dtype=self.dtype)
+        engine = self.processes
+        window = SPECULATIVE.get(policy.split("+")[0], 0)
+        engine.generate(prompt, 2, policy=policy, window=window)  # warm-up, as in process
+        before = engine.link_counters()
+        out = engine.generate(prompt, new_tokens, policy=policy, window=window)
+        after = engine.link_counters()
+        stats, tokens = out["stats"], out["tokens"]
+        spec, plain = stats.get("rounds", 0), stats.get("plain_rounds", 0)
+        row = {"tpot_ms": stats["tpot_s"] * 1e3, "tokens": tokens, "hit_rate": stats["hit_rate"],
+               "accepted": stats.get("mean_accepted", 0.0),
+               "window": stats.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0,
+               "plain_share": plain / (spec + plain) if spec + plain else 0.0,
+               "link_busy": stats["link_busy_fraction"],
+               "reads_per_layer_token": stats["host_reads"] / max(1, (len(tokens) - 1) * self.moe_layers)}
+        outstanding = after.get("demand_outstanding_s", 0.0) - before.get("demand_outstanding_s", 0.0)
+        if policy == "demand-lru" and outstanding > 0:  # every copy a demand: busy over outstanding is the share
+            row["busy_while_demanded"] = (after["busy_s"] - before["busy_s"]) / outstanding
+        return row
 
     def _transformers(self, prompt: list[int], new_tokens: int) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM
@@ -273,11 +318,13 @@ class Runner:
     def close(self) -> None:
         for draft in (self.draft, self.eager_draft):
             getattr(draft, "close", lambda: None)()
+        if self.processes is not None:
+            self.processes.shutdown()
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the repeats (TPOT, acceptance, hit rate, busy share, reads)."""
-    keys = [k for k in rows[0] if k != "tokens"]
+    keys = [k for k in rows[0] if k != "tokens" and all(k in r for r in rows)]
     return {k: round(statistics.median(r[k] for r in rows), 4) for k in keys}
 
 
@@ -289,21 +336,27 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [f"## {shape}: failed", "", f"    {block['error']}", ""]
             continue
         lines += [f"## {shape} ({block['layers']} layers, gain {block['gain']}, {block['dtype']})", "",
-                  "| setting | TPOT ms | vs demand-lru | accepted / K | hit rate | link busy | reads / layer / token |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| setting | TPOT ms | vs demand-lru | accepted / K | hit rate | link busy | reads / layer / token "
+                  "| processes / in process | busy while a demand waits |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, row in block["summary"].items():
             ratio = f"{row['vs_demand_lru']:.2f}x" if "vs_demand_lru" in row else "-"
             accepted = f"{row['accepted']:.1f} / {row['window']:.1f}" if row.get("window") else "-"
             if row.get("plain_share"):
                 accepted += f" ({row['plain_share']:.0%} plain)"
             lines.append(f"| {name} | {row['tpot_ms']:.2f} | {ratio} | {accepted} | {row.get('hit_rate', 1.0):.2f} "
-                         f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} |")
+                         f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} "
+                         f"| {_figure(row, 'vs_in_process', '{:.2f}x')} | {_figure(row, 'busy_while_demanded', '{:.0%}')} |")
         steps = block.get("draft_step", {})
         if steps:
             lines.append("Draft step (one token, ms; ratio to the engine's resident step): " + ", ".join(
                 f"{mode} {row['ms']:.3f} ({row['vs_target_step']}x)" for mode, row in steps.items()))
         lines.append("")
     return "\n".join(lines)
+
+
+def _figure(row: dict[str, Any], key: str, form: str) -> str:
+    return form.format(row[key]) if key in row else "-"
 
 
 if __name__ == "__main__":

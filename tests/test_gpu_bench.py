@@ -26,7 +26,10 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         assert "error" not in block, block.get("trace")
         names = {f"{p}@{b}" for b in ("0.25", "0.5") for p in ("demand-lru", "specter-paper", "specter")}
         eager = {"engine-eager@1", "demand-lru-eager@0.25", "specter-eager@0.25"}
-        assert set(block["summary"]) == names | eager | {"transformers@1", "engine@1"}
+        processes = {"demand-lru-processes@0.25", "specter-processes@0.25"}  # the three roles as processes
+        assert set(block["summary"]) == names | eager | processes | {"transformers@1", "engine@1"}
+        for name in processes:
+            assert block["summary"][name]["vs_in_process"] > 0
         assert set(block["draft_step"]) == {"eager", "static"} and block["draft_step"]["static"]["ms"] > 0
         reference = block["runs"]["transformers@1"][0]["tokens"]
         for name, runs in block["runs"].items():

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "cluster from `ray start --head`) or HOST:PORT; default: the in-process engine")
     gen.add_argument("--processes", action="store_true",
                      help="run the three roles as plain processes on this machine, without Ray (the actors' "
-                          "code over the same sockets and shared memory)")
+                          "code over the same sockets and shared memory; with --link cuda, the default on a "
+                          "GPU, on the device: slots shared by CUDA IPC, the copy stream in the transfer process)")
     _add_pipeline(gen)
     gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")

@@ -43,10 +43,13 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
         parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
     if rho is not None and profile is None and clock not in ("virtual", "as-built"):
         parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
-    if through_actors and isinstance(link, LinkConfig) and link.kind == "cuda":
-        parser.error("argument --link: the transfer actor moves experts over a simulated link only so far "
-                     "(sim:GBPS or a profile); cuda runs in process")
-    if cuda and clock == "wall" and profile is None and link is None and not through_actors:
+    through_ray = getattr(args, "address", None) is not None
+    if through_ray and isinstance(link, LinkConfig) and link.kind == "cuda":
+        parser.error("argument --link: the Ray actors move experts over a simulated link only so far "
+                     "(sim:GBPS or a profile); cuda runs in process or with --processes")
+    if isinstance(link, LinkConfig) and link.kind == "cuda" and not cuda:
+        parser.error("argument --link: cuda needs a CUDA device (torch sees none, or --device cpu)")
+    if cuda and clock == "wall" and profile is None and link is None and not through_ray:
         return Timing("wall", LinkConfig(kind="cuda"))
     timing = resolve_timing(args.model, clock, profile, link, rho)
     if timing.profile is not None or clock != "wall":  # a plain wall-clock run says nothing extra
@@ -242,8 +245,9 @@ def _through_processes(args, parser, timing, budget, window, sampling):  # type:
     from specter.target import load_tokenizer
 
     config = read_config_dict(resolve_model_dir(args.model))
+    dtype = DTYPES[args.dtype] if args.dtype else None
     with launch_processes(args.model, args.draft, budget or SlotConfig(fraction=0.5), timing.link, args.policy,
-                          host_profile=timing.profile) as engine:
+                          host_profile=timing.profile, dtype=dtype) as engine:
         tokenizer = load_tokenizer(resolve_model_dir(args.model))
         prompt_ids = _prompt_ids(args, parser, tokenizer, int(config["vocab_size"]))
         options = {} if args.pipeline is None else {"pipelined": args.pipeline}

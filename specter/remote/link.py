@@ -186,11 +186,12 @@ class RemoteLink(Link):
     ) -> Transfer:
         """Ask the transfer actor to copy ``key`` into ``slot``; ``src`` is not used here.
 
-        ``wait_for`` (CUDA: the event of the last kernels that read the slot) is waited for on the
-        host first: the other process's copy stream cannot wait on this process's event, and without
-        it the copy could overwrite bytes those kernels still read."""
+        ``wait_for`` (CUDA: the event of the last kernels that read the slot) cannot be waited on by
+        the other process's copy stream, so this side's stream waits on it and records the slot's
+        interprocess reader event after it (``SharedSlots.mark_read``), which the copy stream waits
+        on before it overwrites the slot: no host sync."""
         if wait_for is not None:
-            wait_for.synchronize()
+            self.slots.mark_read(slot, after=wait_for)
         return self._send_fetch(key, slot, dst, priority, timed=True)
 
     def place(self, placements: list[tuple[Key, int]], timeout: float) -> None:

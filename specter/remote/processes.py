@@ -32,6 +32,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.checkpoint import read_config_dict
@@ -238,10 +240,15 @@ class ProcessEngine:
 def launch_processes(
     model: str | Path, draft: str | Path | None, budget: SlotConfig, link: LinkConfig, policy: str = "specter",
     timeout_s: float = 60.0, startup_timeout_s: float = 300.0, sealed: bool = True, host_profile: str | None = None,
-    draft_mode: str = "auto",
+    draft_mode: str = "auto", dtype: torch.dtype | None = None,
 ) -> ProcessEngine:
     """Start and wire the roles of one replica as plain processes (``actors/launcher.py: launch``'s
     arguments, without the cluster's).
+
+    A ``cuda`` link puts the replica on this machine's current CUDA device: the transfer process's
+    slots (shared with the verifier by CUDA IPC), copy stream and pinned store, the verifier's and the
+    draft's compute. ``dtype``: the target's compute dtype (None: fp32 on a CPU, the checkpoint's on a
+    GPU).
 
     Raises:
         ValueError: the draft does not match the target (checked before any process starts).
@@ -251,9 +258,10 @@ def launch_processes(
     if draft is not None and Path(draft, "config.json").is_file() and Path(model, "config.json").is_file():
         check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
     prefix = f"specter-p{os.getpid()}-{secrets.token_hex(4)}"
-    transfer = RoleProcess("transfer", str(model), budget, link, prefix, timeout_s)
-    verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile)
-    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode) if draft is not None else None
+    device = "cuda" if link.kind == "cuda" else "cpu"
+    transfer = RoleProcess("transfer", str(model), budget, link, prefix, timeout_s, dtype=dtype)
+    verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile, dtype=dtype)
+    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode, device=device) if draft is not None else None
     roles = [r for r in (transfer, verifier, draft_role) if r is not None]
     engine = ProcessEngine(transfer, verifier, draft_role, prefix, policy, roles=roles)
     try:

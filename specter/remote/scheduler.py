@@ -44,7 +44,7 @@ from specter.remote.shm import SharedSlots
 from specter.timing.clock import WallClock
 
 if TYPE_CHECKING:
-    from specter.remote.transfer_server import SlotWriterLink
+    from specter.remote.transfer_server import CudaSlotWriterLink, SlotWriterLink
 
 _EARLY_ROUNDS = 4  # rounds ahead whose plans are held (a pipelined draft is one round ahead; a
 # request's first round is two wire ids past the last one of the request before)
@@ -112,7 +112,7 @@ class TransferExperts:
     """
 
     def __init__(
-        self, store: ExpertStore, slots: SharedSlots, index: SharedIndex, link: SlotWriterLink,
+        self, store: ExpertStore, slots: SharedSlots, index: SharedIndex, link: SlotWriterLink | CudaSlotWriterLink,
         groups: dict[int, int], policy: Policy, host: HostCompute | None,
     ):
         self.store, self.policy = store, policy

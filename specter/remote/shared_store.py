@@ -9,7 +9,9 @@ the experts in host memory, nothing per expert on the wire, and the verifier can
 (its mapping is ``PROT_READ``; a write would fault).
 
 ``/dev/shm/<prefix>-store``: made (0600) and filled by the transfer actor, mapped by the verifier,
-unlinked with the slots when the replica is sealed (``actors/transfer.py``).
+unlinked with the slots when the replica is sealed (``actors/transfer.py``). On a GPU the transfer
+actor page-locks its mapping (``pin``: ``cudaHostRegister``), so that its copy stream's copies from it
+run asynchronously at the link's full rate, as from memory torch pinned itself.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SharedArena:
     def __init__(self, name: str, tensor: torch.Tensor, owner: bool, keep: SharedMemory | mmap.mmap):
         self.name, self.tensor, self.owner = name, tensor, owner
         self._mapping = keep
+        self._pinned = 0  # the registered address (``pin``), 0 when not pinned
 
     @classmethod
     def create(cls, name: str, numel: int, dtype: torch.dtype) -> SharedArena:
@@ -71,12 +74,32 @@ class SharedArena:
             tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
         return cls(name, tensor, False, mapping)
 
+    def pin(self) -> None:
+        """Page-lock the mapping for CUDA copies (``cudaHostRegister``, portable); undone by ``close``.
+
+        Raises:
+            RuntimeError: CUDA refused (its error code, the size asked for).
+        """
+        if self._pinned or self.tensor.numel() == 0:
+            return
+        ptr, nbytes = self.tensor.data_ptr(), self.tensor.numel() * self.tensor.element_size()
+        code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of shared memory {self.name!r} ({nbytes} bytes) failed: "
+                               f"CUDA error {code}")
+        self._pinned = ptr
+
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until closed); idempotent."""
         shm_unlink(self.name)
 
     def close(self) -> None:
-        """Drop this side's view and unmap; the owner also removes the name."""
+        """Drop this side's view and unmap (unpinned first); the owner also removes the name."""
+        if self._pinned:
+            code = int(torch.cuda.cudart().cudaHostUnregister(self._pinned))
+            if code != 0:
+                log.warning("cudaHostUnregister of shared memory %s failed: CUDA error %d", self.name, code)
+            self._pinned = 0
         self.tensor = torch.empty(0, dtype=self.tensor.dtype)
         try:
             self._mapping.close()

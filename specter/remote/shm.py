@@ -3,9 +3,14 @@
 ``SharedSlots.create`` (transfer side) makes the storage, a ``(num_slots, numel)`` tensor, and a
 readiness table; ``SharedSlots.attach(handle)`` (verifier side) maps the same memory. On a CPU
 both live in POSIX shared memory (``/dev/shm/<prefix>-data``, ``/dev/shm/<prefix>-table``). On
-CUDA the storage is a device tensor shared through torch's CUDA IPC and each slot has an
-interprocess event; the table stays in host shared memory. **The CUDA branch is untested on the
-CPU machines this was written on; it is tested on a lent GPU.**
+CUDA the storage is a device tensor shared through torch's CUDA IPC and each slot has two
+interprocess events: the *copy* event (recorded by the writer on its copy stream after a copy into
+the slot, waited on by the reader's compute stream before it reads the slot) and the *reader* event
+(recorded by the reader on its compute stream as it unpins the slot, waited on by the writer's copy
+stream before it overwrites the slot). Neither side syncs the host for the other. The table stays in
+host shared memory. **The CUDA branch is not run on the CPU machines this was written on** (its
+calls' order is tested there with stand-ins, ``tests/actors/test_cuda_slots.py``); it runs on a
+lent GPU (``tests/gpu/test_gpu_processes.py``).
 
 Readiness is a seqlock per slot (docs/wire.md): the writer makes the slot's sequence number odd,
 writes the blob, the owner key and when the blob counts as landed (its *due* time: a simulated
@@ -66,11 +71,13 @@ class CudaShare(msgspec.Struct, frozen=True):
         ipc_args: ``rebuild_cuda_tensor``'s arguments after ``dtype``, as ``reduce_tensor`` made
             them: device, handle, storage size and offset in bytes, requires_grad, ref-counter
             handle and offset, event handle, event_sync_required (bytes, ints, bools, None).
-        slot_events: ``ipc_handle()`` of each slot's interprocess event.
+        slot_events: ``ipc_handle()`` of each slot's copy event (writer → reader).
+        reader_events: ``ipc_handle()`` of each slot's reader event (reader → writer).
     """
 
     ipc_args: tuple[int, bytes, int, int, bool, bytes, int, bytes | None, bool]
     slot_events: list[bytes]
+    reader_events: list[bytes]
 
 
 class SlotsHandle(msgspec.Struct, frozen=True):
@@ -113,7 +120,8 @@ class SharedSlots:
             (handle.num_slots, ROW_WORDS), dtype="<i8", buffer=table.buf, offset=8 * HEADER_WORDS
         )
         self._due = self.table.view("<f8")[:, DUE]  # the same words, read as seconds
-        self._events: list[Any] = []
+        self._events: list[Any] = []  # CUDA: per slot, the copy event (writer → reader)
+        self._reader_events: list[Any] = []  # CUDA: per slot, the reader event (reader → writer)
         self.storage = self._map_storage() if storage is None else storage
         names = [handle.table_name, handle.data_name]
         self._unlinker = weakref.finalize(self, unlink_all, names) if owner else None
@@ -217,6 +225,11 @@ class SharedSlots:
     def _record(self, slot: int, stream: Any) -> None:
         """CPU: nothing (the copy is done). CUDA: see ``_CudaSlots``."""
 
+    def wait_reader(self, slot: int, stream: Any) -> None:
+        """Order a copy into ``slot`` on ``stream`` after the kernels of the slot's last reader (call
+        after :meth:`begin_write` succeeded, before the copy). CPU: nothing, the reader computed
+        before it unpinned. CUDA: ``stream`` waits on the slot's reader event: no host sync."""
+
     # --- reader side (verifier) ------------------------------------------------------------
 
     def read(self, slot: int) -> tuple[Key | None, int]:
@@ -295,8 +308,18 @@ class SharedSlots:
         return int(self.table[slot, PINS]) > 0
 
     def release(self, slot: int) -> None:
-        """Unpin a slot pinned by :meth:`acquire`."""
+        """Unpin a slot pinned by :meth:`acquire` or :meth:`try_pin` (CUDA: after recording the slot's
+        reader event on the current stream, so that the writer's next copy into it waits for the
+        kernels that read it)."""
+        self.mark_read(slot)
+        fence()  # the reader event is recorded before the writer can see the slot unpinned
         self.table[slot, PINS] -= 1
+
+    def mark_read(self, slot: int, after: Any = None) -> None:
+        """Record that the reader's kernels enqueued so far (and, if given, those before the local
+        event ``after``) read ``slot``: the writer's next copy into it waits for them. CPU: nothing.
+        A reader that does not pin slots in the table (the verifier's own schedule, whose copy
+        commands name the slot) calls it before it sends the copy command."""
 
     def wait_copy(self, slot: int) -> None:
         """Order the reader's next kernels after the copy into ``slot`` (call once the slot shows the
@@ -317,7 +340,7 @@ class SharedSlots:
         self.storage = torch.empty(0, self.numel, dtype=self.dtype)
         self.table = np.empty((0, ROW_WORDS), dtype="<i8")
         self._due = self.table.view("<f8")[:, DUE]
-        self._events = []
+        self._events, self._reader_events = [], []
         for shm in (self._data_shm, self._table_shm):
             close_shared(shm)
 
@@ -337,12 +360,13 @@ class SharedSlots:
 
 
 class _CudaSlots(SharedSlots):
-    """Storage on a CUDA device, shared by CUDA IPC; one interprocess event per slot.
+    """Storage on a CUDA device, shared by CUDA IPC; two interprocess events per slot.
 
-    UNTESTED on this CPU-only machine: written against torch's ``reduce_tensor`` /
-    ``rebuild_cuda_tensor`` and ``torch.cuda.Event(interprocess=True)``; tested on a lent GPU.
-    The writer records a slot's event on the copy stream before it publishes the sequence number;
-    the reader's ``acquire`` makes its current stream wait on that event, so no host sync is needed.
+    Written against torch's ``reduce_tensor`` / ``rebuild_cuda_tensor`` and
+    ``torch.cuda.Event(interprocess=True)``; run on a lent GPU only. The writer makes its copy stream
+    wait on a slot's reader event before the copy, and records the slot's copy event on it after the
+    copy, before it publishes the sequence number; the reader's stream waits on the copy event once it
+    has seen the key (``wait_copy``), and records the reader event as it unpins (``release``).
     """
 
     @classmethod
@@ -351,16 +375,12 @@ class _CudaSlots(SharedSlots):
 
         dtype = _dtype(handle.dtype)
         storage = torch.zeros(handle.num_slots, handle.numel, dtype=dtype, device=device)
-        events = [
-            torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-            for _ in range(handle.num_slots)
-        ]
-        for event in events:
-            event.record(torch.cuda.current_stream(device))  # an event needs a record before ipc_handle()
+        events, readers = _interprocess_events(handle.num_slots, device), _interprocess_events(handle.num_slots, device)
         _, args = reduce_tensor(storage)
-        share = CudaShare(tuple(args[6:15]), [bytes(e.ipc_handle()) for e in events])
+        share = CudaShare(tuple(args[6:15]), [bytes(e.ipc_handle()) for e in events],
+                          [bytes(e.ipc_handle()) for e in readers])
         slots = cls(msgspec.structs.replace(handle, cuda=share), table, None, owner=True, storage=storage)
-        slots._events = events
+        slots._events, slots._reader_events = events, readers
         return slots
 
     def _map_storage(self) -> torch.Tensor:
@@ -374,6 +394,7 @@ class _CudaSlots(SharedSlots):
         )
         device = torch.device("cuda", share.ipc_args[0])
         self._events = [torch.cuda.Event.from_ipc_handle(device, h) for h in share.slot_events]
+        self._reader_events = [torch.cuda.Event.from_ipc_handle(device, h) for h in share.reader_events]
         return tensor
 
     def _record(self, slot: int, stream: Any) -> None:
@@ -383,6 +404,23 @@ class _CudaSlots(SharedSlots):
 
     def wait_copy(self, slot: int) -> None:
         self._events[slot].wait(torch.cuda.current_stream(self.storage.device))
+
+    def wait_reader(self, slot: int, stream: Any) -> None:
+        self._reader_events[slot].wait(stream)
+
+    def mark_read(self, slot: int, after: Any = None) -> None:
+        stream = torch.cuda.current_stream(self.storage.device)
+        if after is not None:
+            stream.wait_event(after)
+        self._reader_events[slot].record(stream)
+
+
+def _interprocess_events(count: int, device: torch.device) -> list[Any]:
+    """``count`` interprocess CUDA events on ``device``, each recorded once (``ipc_handle`` needs it)."""
+    events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True) for _ in range(count)]
+    for event in events:
+        event.record(torch.cuda.current_stream(device))
+    return events
 
 
 # --- helpers ---------------------------------------------------------------------------------

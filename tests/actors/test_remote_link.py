@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from specter.remote.counters import SharedCounters
 from specter.remote.endpoints import private_ipc_dir
 from specter.remote.experts import RemoteExperts
 from specter.remote.link import RemoteLink
+from specter.remote.roles.base import role_device
 from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shm import SharedSlots
 from specter.remote.transfer_server import (
@@ -65,14 +66,21 @@ def _until_started(transfer: Transfer, timeout_s: float = HANG_S) -> None:
 
 
 @contextmanager
-def transfer_side(store: ExpertStore, num_slots: int, link: LinkConfig) -> Iterator[tuple[RemoteLink, TransferServer]]:
-    """A TransferServer serving in a thread over real ipc + shared memory, and the RemoteLink to it."""
+def transfer_side(
+    store: ExpertStore, num_slots: int, link: LinkConfig, copies: object = None,
+    spy: Callable[[SharedSlots, str], None] | None = None,
+) -> Iterator[tuple[RemoteLink, TransferServer]]:
+    """A TransferServer serving in a thread over real ipc + shared memory, and the RemoteLink to it
+    (``copies``: a copy stream for a ``cuda`` link; ``spy`` is called with each side's slots, named
+    ``writer`` and ``reader``, before they are used)."""
     prefix = new_prefix("spt-test")
     slots = SharedSlots.create(prefix, num_slots, store.shape.numel, store.shape.dtype)
+    if spy is not None:
+        spy(slots, "writer")
     counters = SharedCounters(prefix, create=True)
     ipc = private_ipc_dir()
     pull = Channel("pull", ipc.endpoint("transfer"), bind=True, peer="verifier")
-    server = TransferServer(store, slots, counters, link, pull)
+    server = TransferServer(store, slots, counters, link, pull, copies=copies)  # type: ignore[arg-type]
     stop = threading.Event()
 
     def serve() -> None:
@@ -84,6 +92,8 @@ def transfer_side(store: ExpertStore, num_slots: int, link: LinkConfig) -> Itera
     push = Channel("push", pull.address, bind=False, peer="transfer")
     push.handshake("verifier", 10)
     reader = SharedSlots.attach(slots.handle)
+    if spy is not None:
+        spy(reader, "reader")
     remote = RemoteLink(push, reader, SharedCounters(prefix, create=False), link)
     try:
         yield remote, server
@@ -133,20 +143,23 @@ def test_a_reader_orders_its_compute_after_the_copy_and_a_writer_after_the_last_
     """The two CUDA-IPC races, shown on the protocol (on a GPU the hooks are stream-event waits):
     a wait for a transfer ends with ``wait_copy`` on its slot once the slot shows the key (the
     reader's stream waits for the copy's event), and a fetch into a slot whose last reader left an
-    event waits for that event before the command goes to the other process."""
+    event hands that event to the slot's interprocess reader event (``mark_read``, which the writer's
+    copy stream waits on) before the command goes to the other process, without a host sync."""
     remote, slots, _ = link
     seen: list[object] = []
     monkeypatch.setattr(slots, "wait_copy", lambda slot: seen.append(("wait_copy", slot, slots.read(slot)[0])))
     sent = remote.channel.send
     monkeypatch.setattr(remote.channel, "send", lambda msg: (seen.append(type(msg).__name__), sent(msg)))
 
-    class LastReader:
+    class LastReader:  # the local CUDA event of the kernels that last read the slot
         def synchronize(self) -> None:
-            seen.append("last reader done")
+            raise AssertionError("a fetch must not sync the host on the slot's last reader")
 
-    transfer = remote.submit((1, 2), 3, torch.empty(0), slots.storage[3], DEMAND, wait_for=LastReader())
+    last = LastReader()
+    monkeypatch.setattr(slots, "mark_read", lambda slot, after=None: seen.append(("mark_read", slot, after)))
+    transfer = remote.submit((1, 2), 3, torch.empty(0), slots.storage[3], DEMAND, wait_for=last)
     transfer.wait(HANG_S)
-    assert seen == ["last reader done", "FetchExpert", ("wait_copy", 3, (1, 2))]
+    assert seen == [("mark_read", 3, last), "FetchExpert", ("wait_copy", 3, (1, 2))]
     assert torch.equal(slots.storage[3], torch.full((SHAPE.numel,), 12.0))
 
 
@@ -243,6 +256,137 @@ def test_link_timing_switches_the_transfer_side_model() -> None:
         remote.timed = True  # no change: no message
         remote.submit((0, 3), 2, torch.empty(0), slots.storage[2], DEMAND).wait(HANG_S)
         assert server.channel.received == received + 1 and server.link.timed
+
+
+# -- the CUDA link's order of calls, on the CPU (stand-ins for the stream and events) ---------
+
+COPY_S = 0.003  # what the stand-in copy stream says each copy took on the copy engine
+
+
+class StandInCopyStream:
+    """``CopyStream``'s calls on the CPU: each copy runs at once and is logged; ``seconds`` answers
+    ``COPY_S`` (on a GPU: a pair of CUDA timing events around the copy)."""
+
+    stream = "copy-stream"
+
+    def __init__(self, log: list[tuple]):
+        self.log = log
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        self.log.append(("copy", float(src[0])))
+        dst.copy_(src)
+        return len(self.log)
+
+    def seconds(self, handle: int) -> float:
+        time.sleep(COPY_S)  # a GPU's copy engine takes this long for it
+        self.log.append(("copy done", handle))
+        return COPY_S
+
+
+def _spy_events(log: list[tuple]) -> Callable[[SharedSlots, str], None]:
+    """Log what each side does to a slot that a GPU turns into event calls: the writer's claim, its
+    copy stream's wait on the slot's reader event, the copy event it records and the publish after;
+    the reader's record of the reader event (``mark_read``, also inside ``release``)."""
+
+    def spy(slots: SharedSlots, side: str) -> None:
+        if side == "reader":
+            slots.mark_read = lambda slot, after=None: log.append(("mark_read", slot))  # type: ignore[method-assign]
+            return
+        begin, publish = slots.begin_write, slots.publish
+
+        def claim(slot: int) -> bool:
+            claimed = begin(slot)
+            if claimed:
+                log.append(("claim", slot))
+            return claimed
+
+        def published(slot: int, key, stream=None, due: float = 0.0) -> int:  # type: ignore[no-untyped-def]
+            seq = publish(slot, key, stream, due)
+            log.append(("published", slot, key, seq % 2))
+            return seq
+
+        slots.begin_write = claim  # type: ignore[method-assign]
+        slots.publish = published  # type: ignore[method-assign]
+        slots.wait_reader = lambda slot, stream: log.append(("wait_reader", slot, stream))  # type: ignore[method-assign]
+        slots._record = lambda slot, stream: log.append(("record", slot, stream))  # type: ignore[method-assign]
+
+    return spy
+
+
+@pytest.fixture()
+def cuda_link() -> Iterator[tuple[RemoteLink, TransferServer, list[tuple]]]:
+    store = ExpertStore([0, 1], 4, SHAPE)
+    for layer in (0, 1):
+        for expert in range(4):
+            store.blob(layer, expert).fill_(10 * layer + expert)
+    log: list[tuple] = []
+    with transfer_side(store, 6, LinkConfig(kind="cuda"), StandInCopyStream(log), _spy_events(log)) as (remote, server):
+        yield remote, server, log
+
+
+def test_the_cuda_link_waits_for_the_last_reader_then_copies_records_and_publishes(cuda_link) -> None:
+    """Per copy, in this order: claim the slot (seq odd), make the copy stream wait on the slot's
+    reader event, copy, record the slot's copy event on the copy stream, publish (seq even); the bytes
+    are counted by the time the key is seen, the copy engine's seconds once the copy is done."""
+    remote, server, log = cuda_link
+    assert server.link.describe().startswith("cuda-slots")
+    slots = remote.slots
+    transfer = remote.submit((1, 2), 3, torch.empty(0), slots.storage[3], DEMAND)
+    transfer.wait(HANG_S)
+    assert remote.bytes_moved == SHAPE.nbytes and remote.transfers == 1
+    assert torch.equal(slots.storage[3], torch.full((SHAPE.numel,), 12.0))
+    _until(lambda: remote.busy_s > 0)
+    assert remote.busy_s == pytest.approx(COPY_S)
+    assert log[:5] == [("claim", 3), ("wait_reader", 3, "copy-stream"), ("copy", 12.0), ("record", 3, "copy-stream"),
+                       ("published", 3, (1, 2), 0)], log
+    assert log[5][0] == "copy done"
+    # the demand was outstanding from its submit until its copy was done: at least the copy's time
+    assert server.link.demand_outstanding_s >= COPY_S * 0.9
+
+
+def test_the_cuda_link_claims_a_pinned_slot_only_after_its_reader_recorded_the_reader_event(cuda_link) -> None:
+    remote, server, log = cuda_link
+    slots = remote.slots
+    _, seq = slots.read(4)
+    assert slots.try_pin(4, seq)  # the verifier computes with slot 4
+    transfer = remote.submit((0, 3), 4, torch.empty(0), slots.storage[4], DEMAND)
+    time.sleep(0.2)
+    assert not transfer.done.is_set() and ("claim", 4) not in log  # the writer leaves a pinned slot alone
+    slots.release(4)  # records the reader event, then unpins
+    transfer.wait(HANG_S)
+    assert log.index(("mark_read", 4)) < log.index(("claim", 4)) < log.index(("wait_reader", 4, "copy-stream"))
+    assert torch.equal(slots.storage[4], torch.full((SHAPE.numel,), 3.0))
+
+
+def test_the_cuda_link_counts_no_initial_fill_and_two_copies_are_in_flight(cuda_link) -> None:
+    remote, server, log = cuda_link
+    slots = remote.slots
+    remote.place([((0, 1), 0), ((1, 1), 1)], HANG_S)  # the initial residency: not the link's work
+    assert torch.equal(slots.storage[1], torch.full((SHAPE.numel,), 11.0))
+    _until(lambda: sum(1 for entry in log if entry[0] == "copy done") == 2)
+    assert (remote.bytes_moved, remote.transfers, remote.busy_s) == (0, 0, 0.0)
+    assert server.link.demand_outstanding_s == 0.0  # no demand the link counts was ever waiting
+    remote.submit((0, 2), 2, torch.empty(0), slots.storage[2], PREFETCH).wait(HANG_S)
+    _until(lambda: remote.busy_s > 0)
+    assert server.link.demand_outstanding_s == 0.0  # a prefetch is not a demand
+    assert server.link.in_flight == 2
+    remote.timed = False  # accepted (nothing to switch on a real link)
+    _until(lambda: not server.link.timed)
+
+
+def test_a_cuda_link_needs_its_slots_on_a_cuda_device() -> None:
+    prefix = new_prefix("spt-test")
+    with SharedSlots.create(prefix, 2, SHAPE.numel, SHAPE.dtype) as slots:
+        counters = SharedCounters(prefix, create=True)
+        try:
+            with pytest.raises(ValueError, match="cuda needs the shared slots on a CUDA device"):
+                TransferServer(ExpertStore([0], 2, SHAPE), slots, counters, LinkConfig(kind="cuda"), None)  # type: ignore[arg-type]
+        finally:
+            counters.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="link: cuda needs a CUDA device"):
+            role_device(LinkConfig(kind="cuda"))
+    assert role_device(LinkConfig()) == torch.device("cpu")
 
 
 # -- untimed prefill: in process vs RemoteLink + TransferServer -------------------------------

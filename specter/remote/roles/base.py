@@ -1,5 +1,9 @@
 """What every role needs beside its own work: the compute device and dtype, a metrics sink.
 
+A replica runs on the CPU, or on one CUDA device when its link is ``cuda`` (``role_device``): the
+transfer process then creates the slots on the device and pins the host store, the verifier computes
+on the slots' device (read from the slots' handle), the draft on the same device.
+
 The roles (``transfer.py``, ``draft.py``, ``verifier.py``) are the three processes of an engine
 replica as plain classes: the Ray actors (``actors/``) are thin shells around them, and
 ``specter/remote/processes.py`` runs them as plain processes without Ray. Both paths run this code.
@@ -12,7 +16,20 @@ from typing import Any, Protocol
 
 import torch
 
-DEVICE = torch.device("cpu")  # CUDA roles (CUDA IPC slots, copy streams) are the next step
+from specter.config import LinkConfig
+
+
+def role_device(link: LinkConfig | None) -> torch.device:
+    """Where a replica computes: the current CUDA device for a ``cuda`` link, else the CPU.
+
+    Raises:
+        ValueError: a ``cuda`` link where torch sees no CUDA device.
+    """
+    if link is None or link.kind != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("link: cuda needs a CUDA device, and torch sees none here (use sim:GBPS)")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class Metrics(Protocol):
@@ -44,6 +61,10 @@ def setup_process(threads: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def compute_dtype() -> torch.dtype:
-    """fp32 on a CPU, as ``OffloadedTarget.load`` chooses (keeps speculation token-identical)."""
-    return torch.float32
+def compute_dtype(device: torch.device | None = None, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The target's compute dtype, as ``OffloadedTarget.load`` chooses it: ``dtype`` if given, else fp32
+    on a CPU (keeps speculation token-identical) and the checkpoint's own (None) on a GPU. The
+    transfer process stores the blobs in it and the verifier computes in it: both ask this."""
+    if dtype is not None:
+        return dtype
+    return torch.float32 if device is None or device.type == "cpu" else None

@@ -1,4 +1,4 @@
-"""The transfer role: the pinned host store, the shared slot storage and the copy thread.
+"""The transfer role: the pinned host store, the shared slot storage and the copy thread (or stream).
 
 It creates the slot pool's storage as ``SharedSlots`` (and the link counters next to it), keeps the
 host store in shared memory too (``specter/remote/shared_store.py``: the verifier maps it read-only
@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.store import ExpertStore
@@ -30,7 +31,7 @@ from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
 from specter.remote.endpoints import private_ipc_dir
 from specter.remote.residency import SharedIndex
-from specter.remote.roles.base import Metrics, NoMetrics, compute_dtype
+from specter.remote.roles.base import Metrics, NoMetrics, compute_dtype, role_device
 from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots
@@ -46,28 +47,35 @@ class TransferRole:
     Args:
         model_dir: the target checkpoint.
         budget: the device's expert budget (sizes the shared slots like the verifier's pool).
-        link: the link model.
+        link: the link: ``sim:…`` (a simulated one, on the CPU) or ``cuda`` (the slots on the current
+            CUDA device, the host store pinned, a copy stream: ``CudaSlotWriterLink``).
         prefix: shared-memory name prefix (default: a fresh one).
         timeout_s: the handshake timeout.
         metrics: where its figures go (``actors/metrics.py: Recorder`` under Ray; default none).
         metrics_every_s: how often the link's bytes and busy fraction go to the metrics.
+        dtype: the blobs' dtype (None: fp32 on a CPU, the checkpoint's on a GPU); the verifier's
+            compute dtype must be the same.
     """
 
     def __init__(
         self, model_dir: str, budget: SlotConfig, link: LinkConfig, prefix: str | None = None, timeout_s: float = 60.0,
-        metrics_every_s: float = 1.0, metrics: Metrics | None = None,
+        metrics_every_s: float = 1.0, metrics: Metrics | None = None, dtype: torch.dtype | None = None,
     ):
         self.metrics: Metrics = metrics or NoMetrics()
         self.metrics_every_s = metrics_every_s
-        loaded = build_dense(model_dir, compute_dtype())
+        device = role_device(link)
+        loaded = build_dense(model_dir, compute_dtype(device, dtype))
         self.prefix = prefix or new_prefix("specter")
         numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
         self.arena = SharedArena.create(store_name(self.prefix), numel, loaded.shape.dtype)
         self.store = load_store(loaded, arena=self.arena.tensor)
+        if device.type == "cuda":
+            self.arena.pin()  # the copy stream's copies from it run asynchronously
         groups = slot_groups(budget, loaded)
         num_slots = sum(groups.values())
         del loaded  # the dense parts are the verifier's; only the blobs stay here
-        self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype)
+        self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype,
+                                        device)
         self.shared_counters = SharedCounters(self.prefix, create=True)
         self.index = SharedIndex(self.prefix, max(self.store.layers) + 1, self.store.num_experts, create=True)
         self.ipc = private_ipc_dir()
@@ -79,8 +87,9 @@ class TransferRole:
         self._stop = threading.Event()
         self._first: str | None = None  # the role of the first peer's Hello (the pull socket's handshake)
         self._thread: threading.Thread | None = None
-        log.info("transfer: %d experts in host memory, %d shared slots (%s)", len(self.store.layers)
-                 * self.store.num_experts, num_slots, self.prefix)
+        log.info("transfer: %d experts in host memory%s, %d shared slots on %s (%s), link %s",
+                 len(self.store.layers) * self.store.num_experts, " (pinned)" if device.type == "cuda" else "",
+                 num_slots, device, self.prefix, self.server.link.describe())
 
     def info(self) -> dict[str, Any]:
         """Where to find this process's shared memory and sockets."""
@@ -140,9 +149,14 @@ class TransferRole:
         return os.getpid()
 
     def counters(self) -> dict[str, float]:
-        """Link counters (also mirrored in shared memory for the verifier)."""
+        """Link counters (also mirrored in shared memory for the verifier); on a CUDA link also
+        ``demand_outstanding_s``: wall seconds during which a demand copy was queued or moving."""
         moved, busy, transfers = self.shared_counters.read()
-        return {"bytes_moved": moved, "busy_s": busy, "transfers": transfers, "rejected": self.server.rejected}
+        counters = {"bytes_moved": moved, "busy_s": busy, "transfers": transfers, "rejected": self.server.rejected}
+        outstanding = getattr(self.server.link, "demand_outstanding_s", None)
+        if outstanding is not None:
+            counters["demand_outstanding_s"] = outstanding
+        return counters
 
     def close(self) -> list[str]:
         """Stop serving, close the socket, remove the ipc dir and the shared memory; returns what

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import torch
 
 from specter.batching import Batcher, BatchRequest
 from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
@@ -45,7 +46,7 @@ from specter.remote.link import RemoteLink
 from specter.remote.policy import RemotePolicy
 from specter.remote.proposer import RemoteDrafter, RemoteProposer
 from specter.remote.residency import SharedIndex
-from specter.remote.roles.base import DEVICE, Metrics, NoMetrics, compute_dtype
+from specter.remote.roles.base import Metrics, NoMetrics, compute_dtype, role_device
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots, SlotsHandle
 from specter.target import OffloadedTarget, slot_groups
@@ -75,18 +76,22 @@ class VerifierRole:
         host_profile: the profile whose host computes late experts (None: the default, as in process).
         schedule: where the policy's schedule runs: ``transfer`` (next to the copies; a policy that
             reads the target's hidden states still runs here) or ``verifier``.
+        dtype: the compute dtype (None: fp32 on a CPU, the checkpoint's on a GPU); the transfer
+            process's must be the same.
     """
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0,
                  link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer",
-                 metrics: Metrics | None = None, max_batch: int = MAX_BATCH):
+                 metrics: Metrics | None = None, max_batch: int = MAX_BATCH, dtype: torch.dtype | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.schedule = schedule
         self.metrics: Metrics = metrics or NoMetrics()
         self.model_dir, self.budget, self.policy_name, self.timeout_s = model_dir, budget, policy, timeout_s
         self.link_config, self.host_profile = link or LinkConfig(), host_profile
-        self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype())
+        self.device = role_device(self.link_config)  # the slots' device: the transfer process's choice too
+        self.dtype = dtype  # None: fp32 on a CPU, the checkpoint's on a GPU (``compute_dtype``)
+        self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype(self.device, dtype))
         self.target: OffloadedTarget | None = None
         self.proposer: RemoteProposer | None = None
         self.drafter: RemoteDrafter | None = None  # the batcher's, over the proposer's channel
@@ -111,8 +116,12 @@ class VerifierRole:
         """
         handle = msgspec.json.decode(slots_json, type=SlotsHandle)
         self.slots = SharedSlots.attach(handle)
+        if self.slots.storage.device.type != self.device.type:
+            raise RuntimeError(f"slots: the transfer process made them on {self.slots.storage.device}, "
+                               f"the verifier computes on {self.device}")
+        self.device = self.slots.storage.device
         self.counters = SharedCounters(handle.prefix, create=False)
-        loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
+        loaded = self._loaded or build_dense(self.model_dir, compute_dtype(self.device, self.dtype))
         numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
         self.arena = SharedArena.map_readonly(store_name(handle.prefix), numel, loaded.shape.dtype)
         self.index = SharedIndex(handle.prefix, max(loaded.moe_layers) + 1, loaded.num_experts, create=False)
@@ -348,12 +357,12 @@ class VerifierRole:
                 old.wait(key)
             if isinstance(old, ScheduledExperts) and not remote:
                 self.link.channel.send(UsePolicy(""))  # the transfer process stops scheduling
-        loaded = self._loaded or build_dense(self.model_dir, compute_dtype())
+        loaded = self._loaded or build_dense(self.model_dir, compute_dtype(self.device, self.dtype))
         self._loaded = None
         groups = slot_groups(self.budget, loaded)
         if (count := sum(groups.values())) != self.slots.num_slots:
             raise RuntimeError(f"slots: the verifier sizes {count} slots, the transfer process {self.slots.num_slots}")
-        pool = SlotPool(loaded.shape, groups, DEVICE, storage=self.slots.storage)
+        pool = SlotPool(loaded.shape, groups, self.device, storage=self.slots.storage)
         store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, arena=self.arena.tensor)
         offload: RemoteExperts | ScheduledExperts
         if remote:
@@ -365,7 +374,8 @@ class VerifierRole:
             offload = RemoteExperts(store, pool, self.link, make_policy(policy), timeout=self.timeout_s)
         offload.set_host(self._host(loaded))
         offload.prefill_slots()
-        self.target = OffloadedTarget(loaded, offload, DEVICE)
+        loaded.model.to(self.device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
+        self.target = OffloadedTarget(loaded, offload, self.device)
         self.policy_name = policy
         log.info("verifier: policy %s, %d slots over %s, scheduled in the %s", policy, pool.num_slots,
                  self.link.describe(), "transfer process" if remote else "verifier")

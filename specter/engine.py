@@ -1,7 +1,9 @@
 """The speculative round, in one process: draft K tokens, verify K+1 positions, accept, roll back.
 
 With no draft (or K = 0) a round is one plain decode step of the target, which is how the
-``demand-lru`` and ``gate-prefetch`` baselines run.
+``demand-lru`` and ``gate-prefetch`` baselines run. Greedy with no draft, each step's token stays on
+the device as the next step's input and comes back with that step's first read (``Engine._plain``):
+a step makes no read for its token, and the host learns each token one step after it is made.
 
 ``pipelined`` (a draft in its own process, the actors' ``RemoteProposer``, or in this one drafting
 in the verify pass's waits, ``IdleProposer``; the policy option ``+pipe`` turns it on): each round
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -32,7 +34,7 @@ from specter.protocol import PlanDelta
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.costs import CostModel
-from specter.timing.dispatch import READS, drop_deferred, flush_reads
+from specter.timing.dispatch import READS, defer_read, drop_deferred, flush_reads, host_read
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
@@ -58,6 +60,41 @@ class _Tally:
     costs: tuple[float, float] = (0.0, 0.0)  # the same as the K chooser learns them (``_round``)
     carried: float = 0.0  # seconds the latest verify pass spent drafting the next round, which stands
     fresh_draft_s: float = 0.0  # draft compute charged to rounds drafted once the round before was judged
+
+
+@dataclass
+class _Request:
+    """A request's state as it decodes after its prompt: what it asked for and what it committed."""
+
+    seq: list[int]  # the prompt, then the tokens committed so far
+    prompt_len: int
+    max_new_tokens: int
+    eos: int | None
+    sampling: SamplingConfig
+    gen: torch.Generator
+    cache: DynamicCache | StaticKV
+    commits: list[float]  # when each committed token committed
+    on_tokens: OnTokens | None
+    cancelled: Cancelled | None
+    tally: _Tally
+
+    @property
+    def made(self) -> int:
+        """New tokens committed so far."""
+        return len(self.seq) - self.prompt_len
+
+    def finished(self) -> bool:
+        return self.made >= self.max_new_tokens or self.seq[-1] == self.eos
+
+    def stop_asked(self) -> bool:
+        return self.cancelled is not None and self.cancelled()
+
+    def commit(self, token: int, now: float) -> None:
+        """One token commits at ``now`` (a plain step's: each goes to ``on_tokens`` on its own)."""
+        self.seq.append(token)
+        self.commits.append(now)
+        if self.on_tokens is not None:
+            self.on_tokens([token])
 
 
 class Engine:
@@ -110,8 +147,9 @@ class Engine:
         """Up to ``max_new_tokens`` new token ids after ``prompt_ids``, and the request's stats.
 
         ``on_tokens`` gets the tokens each step or round commits, as it commits them (a stream's
-        chunks: together they are the returned tokens). ``cancelled`` is asked before each round;
-        when it says so the request ends there with what it committed (``stats.extra["cancelled"]``).
+        chunks: together they are the returned tokens; greedy with no draft, each token on its own,
+        the step after the one that made it). ``cancelled`` is asked before each round; when it says
+        so the request ends there with what it committed (``stats.extra["cancelled"]``).
         """
         sampling = sampling or SamplingConfig()
         check_request(self.target, prompt_ids, max_new_tokens, self.window)
@@ -152,40 +190,14 @@ class Engine:
         self.committed = 1
         if on_tokens is not None:
             on_tokens(seq[-1:])
-        stopped = False
         after_prefill = self.target.offload.counters.snapshot()
         dispatch_mark = (READS.count, getattr(self.clock, "dispatch_s", 0.0))
         costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
         trace = self.target.offload.start_trace() if costs is not None else None
         draft_mark = getattr(self.clock, "draft_charged", 0.0)
-        round_id = 0
-        chooser = self.policy.window_chooser() if self.proposer is not None else None
-        if chooser is not None:
-            chooser.begin_request()
-        planned: int | None = None  # pipelined: this round's K, chosen by the round before
-        standing = False  # pipelined: the round drafted ahead stands, its draft is this round's
-        while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] != eos_token_id:
-            if cancelled is not None and cancelled():
-                stopped = True
-                break
-            remaining = max_new_tokens - (len(seq) - len(prompt_ids))
-            limit = min(self.window, remaining - 1)
-            if standing and planned is not None:  # drafted ahead at the K chosen a round early
-                k = planned
-            else:  # chosen now, from every round measured so far (a K chosen early for a round
-                k = chooser.choose(limit) if chooser is not None else limit  # thrown away is stale)
-            ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
-            new, planned, stands = self._round(round_id, seq, tcache, k, sampling, gen, tally, standing, ahead_limit)
-            if chooser is not None:
-                chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1)
-            committed = _until_eos(new[:remaining], eos_token_id)
-            seq += committed
-            commits += [self.clock.now()] * len(new[:remaining])
-            self.committed = len(seq) - len(prompt_ids)
-            if on_tokens is not None and committed:
-                on_tokens(committed)
-            round_id += 2 if planned and not stands else 1  # a thrown-away round's id is not reused
-            standing = stands
+        request = _Request(seq, len(prompt_ids), max_new_tokens, eos_token_id, sampling, gen, tcache, commits,
+                           on_tokens, cancelled, tally)
+        stopped = self._plain(request) if self.proposer is None and sampling.greedy else self._rounds(request)
         tokens = seq[len(prompt_ids):]
         stats = self._stats(before, len(prompt_ids), t0, commits, tally)
         if trace is not None and costs is not None:
@@ -203,6 +215,7 @@ class Engine:
         stats.extra["host_reads"] = READS.count - dispatch_mark[0]
         if self.clock.name == "as-built":
             stats.extra["dispatch_s"] = getattr(self.clock, "dispatch_s", 0.0) - dispatch_mark[1]
+        chooser = self.policy.window_chooser() if self.proposer is not None else None
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
             stats.extra["chooser_rounds"] = sum(chooser.samples.values())
         if self.pipelined:
@@ -231,6 +244,101 @@ class Engine:
             replay()
         offload.reset_residency()
         return self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id, on_tokens, cancelled)
+
+    def _rounds(self, request: _Request) -> bool:
+        """Rounds until the request is done; whether ``cancelled`` ended it."""
+        seq, tally = request.seq, request.tally
+        round_id = 0
+        chooser = self.policy.window_chooser() if self.proposer is not None else None
+        if chooser is not None:
+            chooser.begin_request()
+        planned: int | None = None  # pipelined: this round's K, chosen by the round before
+        standing = False  # pipelined: the round drafted ahead stands, its draft is this round's
+        while not request.finished():
+            if request.stop_asked():
+                return True
+            remaining = request.max_new_tokens - request.made
+            limit = min(self.window, remaining - 1)
+            if standing and planned is not None:  # drafted ahead at the K chosen a round early
+                k = planned
+            else:  # chosen now, from every round measured so far (a K chosen early for a round
+                k = chooser.choose(limit) if chooser is not None else limit  # thrown away is stale)
+            ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
+            new, planned, stands = self._round(round_id, seq, request.cache, k, request.sampling, request.gen, tally,
+                                               standing, ahead_limit)
+            if chooser is not None:
+                chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1)
+            committed = _until_eos(new[:remaining], request.eos)
+            seq += committed
+            request.commits += [self.clock.now()] * len(new[:remaining])
+            self.committed = request.made
+            if request.on_tokens is not None and committed:
+                request.on_tokens(committed)
+            round_id += 2 if planned and not stands else 1  # a thrown-away round's id is not reused
+            standing = stands
+        return False
+
+    # -- plain greedy decoding -----------------------------------------------------------------
+    def _plain(self, request: _Request) -> bool:
+        """Greedy steps with no draft until the request is done; whether ``cancelled`` ended it.
+
+        Each step's token stays on the device and is the next step's input as it is. The host reads it
+        with that next step's first read of device data (the routing of its first layer not all
+        resident, or the read after the step that settles a resident layer's routing), so a token
+        costs no read of its own. The host learns each token one step after it is made, and commits it
+        then: a finish by EOS runs one step more, whose token is dropped (the request's KV cache is its
+        own); the step that makes the last token the request allows reads it with its own reads, so no
+        step runs past ``max_new_tokens``; a request cancelled between steps keeps the token made."""
+        made: torch.Tensor | None = None  # the latest token, on the device, not read yet
+        step = 0
+        while not request.finished():
+            if request.stop_asked():
+                if made is not None:
+                    self._commit(request, host_read(made.view(-1)))
+                return True
+            last = request.made + (made is not None) + 1 >= request.max_new_tokens
+            read, made = self._plain_step(step, request, made, last)
+            self._commit(request, read)
+            step += 1
+        return False
+
+    def _plain_step(
+        self, step: int, request: _Request, made: torch.Tensor | None, last: bool
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """One greedy step on ``made`` (the token the step before made, on the device; None: the request's
+        latest token, known to the host). Returns the tokens read back (``made``, then this step's own when
+        ``last``) and, unless ``last``, this step's token on the device."""
+        read: list[int] = []
+
+        def back(values: Any) -> None:  # a token read with the step's reads (``defer_read``)
+            read.append(int(values.item()))
+
+        self.policy.begin_round(step)
+        t0 = self.clock.now()
+        self.policy.begin_verify(step, 1)
+        if made is not None:
+            defer_read(made, back)  # read with the step's first read of device data
+        ids = made if made is not None else torch.tensor([[request.seq[-1]]])
+        logits = self.target.forward(ids, request.cache)[0]
+        token = torch.argmax(logits, dim=-1).view(1, 1)
+        if last:
+            defer_read(token, back)
+        flush_reads()  # what no read during the step brought: a fully resident step's routing and tokens
+        true = {layer: set(experts) for layer, experts in self.target.offload.last_needed.items()}
+        tally = request.tally
+        tally.last = (0.0, self.clock.now() - t0)
+        tally.verify_s += tally.last[1]
+        tally.windows.append(0)
+        self.policy.end_round(step, 0, true)
+        return read, None if last else token
+
+    def _commit(self, request: _Request, tokens: list[int]) -> None:
+        """Plain steps' tokens as the host learns them, up to the request's EOS."""
+        for token in tokens:
+            if request.finished():
+                return
+            request.commit(token, self.clock.now())
+            self.committed = request.made
 
     # -- the round --------------------------------------------------------------------------
     def _round(

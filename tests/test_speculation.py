@@ -204,3 +204,30 @@ def test_streamed_chunks_are_the_tokens_and_a_cancelled_request_ends_at_a_round(
         assert stats.new_tokens == len(tokens)
     finally:
         target.close()
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_plain_greedy_decoding_ends_at_eos_with_transformers_tokens_streamed_one_by_one(setup, resident):
+    """Plain greedy steps keep each token on the device and read it with the next step's reads, so the host
+    learns it a step late: a request that ends by EOS is still transformers' tokens up to that EOS, each
+    streamed to ``on_tokens`` on its own, and it runs one step past the EOS (whose token is dropped).
+    EOS as the first token runs no step; as the last token the request allows, none past it."""
+    folder, top_k, expected, _ = setup
+    eos = expected[5]
+    want = expected[: expected.index(eos) + 1]  # its first occurrence ends the request
+    assert len(want) < NEW
+    budget = SlotConfig(fraction=1.0) if resident else SlotConfig(experts=top_k)
+    target = OffloadedTarget.load(folder, budget, LINK, policy="demand-lru")
+    try:
+        engine = Engine(target)
+        chunks: list[list[int]] = []
+        tokens, stats = engine.generate_fresh(PROMPT, NEW, eos_token_id=eos, on_tokens=chunks.append)
+        assert tokens == want and chunks == [[t] for t in want]
+        assert stats.new_tokens == len(want) and not stats.extra["cancelled"]
+        assert stats.extra["plain_rounds"] == len(want)  # len(want) - 1 steps made its tokens, one read the EOS
+        tokens, stats = engine.generate_fresh(PROMPT, NEW, eos_token_id=expected[0])
+        assert tokens == expected[:1] and stats.extra["plain_rounds"] == 0
+        tokens, stats = engine.generate_fresh(PROMPT, len(want), eos_token_id=eos)
+        assert tokens == want and stats.extra["plain_rounds"] == len(want) - 1
+    finally:
+        target.close()

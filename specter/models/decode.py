@@ -15,7 +15,8 @@ experts and an optional gated shared expert: ``mixtral``, ``qwen2_moe``, ``qwen3
 families, a sliding window, another attention implementation, and the prompt (an empty cache)
 take transformers' forward. Several tokens after a cache (a round's catch-up: the last draft token
 and the bonus) attend through the causal mask transformers builds for them, a boolean
-``(1, 1, T, past + T)``.
+``(1, 1, T, past + T)``. A step's rotary cos and sin are rows of a table the rotary module made once
+for many positions (``rotation``), bit for bit its call at those positions.
 
 ``fused=True`` (the target's and the draft's) also issues fewer ops for the same arithmetic: q, k
 and v in one linear, the rotation of q and k (and qwen3's per-head norms) on both at once, the
@@ -63,6 +64,7 @@ class LeanStep:
         self.inner: Any = model.get_decoder()  # type: ignore[operator]
         self.layers = list(self.inner.layers)
         self.fused = [_Fused(layer) for layer in self.layers] if fused else None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # ``rotation``'s rows, made once
 
     def routing(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Fused only: layer → (top-k ids, their router probabilities) of the latest step, on the device."""
@@ -104,11 +106,11 @@ class LeanStep:
             )
         tokens, past = input_ids.shape[1], cache.get_seq_length()
         device = input_ids.device
-        positions = torch.arange(past, past + tokens, device=device)[None]
         mask = None
         if tokens > 1:  # what transformers' sdpa mask is for these positions: key j for query i iff j <= past + i
-            mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[0, :, None])[None, None]
-        return self._run(input_ids, positions, mask, cache)
+            positions = torch.arange(past, past + tokens, device=device)
+            mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[:, None])[None, None]
+        return self._run(input_ids, self.rotation(past, tokens), mask, cache)
 
     def batch(self, inputs: list[torch.Tensor], caches: list[DynamicCache]) -> list[torch.Tensor]:
         """Several sequences in one step (fused only): ``inputs[i]`` (1, T_i) after ``caches[i]`` (a
@@ -133,13 +135,14 @@ class LeanStep:
                 here = torch.arange(past, past + tokens, device=device)
                 mask = (torch.arange(past + tokens, device=device)[None, :] <= here[:, None])[None, None]
             segments.append((cache, mask, tokens))
-        logits = self._run(torch.cat(inputs, dim=1), positions, None, None, segments)
+        rotation = self.rotary(self.inner.embed_tokens.weight, positions)
+        logits = self._run(torch.cat(inputs, dim=1), rotation, None, None, segments)
         return list(logits.split(lengths, dim=1))
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any,
-             segments: list[tuple[Any, torch.Tensor | None, int]] | None = None) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+             cache: Any, segments: list[tuple[Any, torch.Tensor | None, int]] | None = None) -> torch.Tensor:
         hidden = self.inner.embed_tokens(input_ids)
-        cos, sin = self.rotary(hidden, positions)
+        cos, sin = rotation
         for i, layer in enumerate(self.layers):
             x = _rms(layer.input_layernorm, hidden)
             if self.fused is None:
@@ -149,6 +152,29 @@ class LeanStep:
                 hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden, segments)
                 hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
         return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
+
+    def rotation(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary``'s cos and sin at positions ``start`` to ``start + tokens``: views of a table of many
+        positions, so a step issues no op for them (``rotary`` issues six to eight, and the positions'
+        ``arange`` one). A RoPE whose frequencies change with the positions seen (dynamic, longrope)
+        is computed each step."""
+        weight = self.inner.embed_tokens.weight  # the hidden states' dtype and device, which ``rotary`` takes
+        rope = getattr(self.inner.rotary_emb, "rope_type", "default")
+        if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
+            return self.rotary(weight, torch.arange(start, start + tokens, device=weight.device)[None])
+        cos, sin = self._rotation_table(start + tokens, weight)
+        return cos[..., start : start + tokens, :], sin[..., start : start + tokens, :]
+
+    def _rotation_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary`` at positions 0 to at least ``positions`` in ``like``'s dtype and device, made by one call
+        (its ops are elementwise, so each row is what a call at that position alone gives) and remade
+        twice as long when a step goes past it."""
+        table = self._table
+        if table is None or table[0].shape[-2] < positions or (table[0].dtype, table[0].device) != (
+                like.dtype, like.device):
+            size = max(positions, 2 * table[0].shape[-2] if table is not None else 256)
+            table = self._table = self.rotary(like, torch.arange(size, device=like.device)[None])
+        return table
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotation's cos and sin at ``positions`` (1, T), shaped for the heads (fused: ``sin`` signed)."""

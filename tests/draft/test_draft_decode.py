@@ -79,6 +79,22 @@ def test_a_decode_step_does_not_enter_transformers_forward_and_a_prompt_does(dra
         draft.lean(torch.tensor([[1, 2]]), draft.new_cache())  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
+def test_a_steps_rotation_is_its_own_call_of_the_rotary_bit_for_bit(family, dtype, draft_dir) -> None:
+    """The rotation a step takes from the table (``LeanStep.rotation``, no op) equals the rotary's call at
+    those positions alone, bit for bit, past the table's first size too (it grows)."""
+    draft = DraftModel.load(draft_dir(family, "awq"), device="cpu", mode="dequant-cache", dtype=dtype)
+    lean = draft.lean
+    assert lean is not None
+    weight = lean.inner.embed_tokens.weight
+    for start, tokens in [(0, 1), (7, 3), (255, 2), (300, 1), (611, 4), (40, 1)]:
+        cos, sin = lean.rotation(start, tokens)
+        want_cos, want_sin = lean.rotary(weight, torch.arange(start, start + tokens)[None])
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), (start, tokens)
+        assert cos.dtype == dtype and cos.shape == want_cos.shape
+
+
 def test_other_families_take_transformers_forward(draft_dir) -> None:
     draft = DraftModel.load(draft_dir("deepseek_v2", "awq"), device="cpu", mode="dequant-cache")
     assert draft.lean is None

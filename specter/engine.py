@@ -270,7 +270,7 @@ class Engine:
                 chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1)
             committed = _until_eos(new[:remaining], request.eos)
             seq += committed
-            request.commits += [self.clock.now()] * len(new[:remaining])
+            request.commits += [self.clock.now()] * len(committed)
             self.committed = request.made
             if request.on_tokens is not None and committed:
                 request.on_tokens(committed)

@@ -231,3 +231,19 @@ def test_plain_greedy_decoding_ends_at_eos_with_transformers_tokens_streamed_one
         assert tokens == want and stats.extra["plain_rounds"] == len(want) - 1
     finally:
         target.close()
+
+
+def test_a_round_that_ends_at_eos_counts_only_the_tokens_it_returns(setup):
+    """A round whose accepted drafts run past the EOS commits up to the EOS; the stats' token count and
+    TPOT are over the tokens returned (the round's tokens after the EOS used to be counted)."""
+    folder, _, expected, _ = setup
+    same = ResidentDraft(folder)  # accepts every draft: an EOS inside a round, tokens after it
+    eos = expected[4]
+    want = expected[: expected.index(eos) + 1]
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=1.0), LINK, policy="specter+fixed")
+    try:
+        tokens, stats = Engine(target, same, 8).generate_fresh(PROMPT, NEW, eos_token_id=eos)
+    finally:
+        target.close()
+    assert tokens == want
+    assert stats.new_tokens == len(want)

@@ -9,7 +9,7 @@ the slot, waited on by the reader's compute stream before it reads the slot) and
 (recorded by the reader on its compute stream as it unpins the slot, waited on by the writer's copy
 stream before it overwrites the slot). Neither side syncs the host for the other. The table stays in
 host shared memory. **The CUDA branch is not run on the CPU machines this was written on** (its
-calls' order is tested there with stand-ins, ``tests/actors/test_cuda_slots.py``); it runs on a
+calls' order is tested there with stand-ins, ``tests/actors/test_remote_link.py``); it runs on a
 lent GPU (``tests/gpu/test_gpu_processes.py``).
 
 Readiness is a seqlock per slot (docs/wire.md): the writer makes the slot's sequence number odd,

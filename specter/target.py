@@ -172,7 +172,8 @@ def crop_cache(cache: DynamicCache | StaticKV, length: int) -> None:
 
 @dataclass(frozen=True)
 class MemoryRequest:
-    """What to plan device memory for: its size (None: the GPU's free memory) and the rest."""
+    """What to plan device memory for: its size (None: the GPU's free memory, measured with the draft
+    of ``draft_bytes`` loaded already) and the rest."""
 
     device_bytes: int | None = None
     draft_bytes: int = 0
@@ -185,7 +186,8 @@ def _plan(request: MemoryRequest, loaded: LoadedModel, device: torch.device) -> 
     if size is None:
         if device.type != "cuda":
             raise ValueError("device-memory: give --budget or --device-memory on a CPU (no GPU to measure)")
-        size = torch.cuda.mem_get_info(device)[0]
+        # the draft is on the device already (loaded first): its bytes are gone from the free memory
+        size = torch.cuda.mem_get_info(device)[0] + request.draft_bytes
     return plan_memory(size, loaded, request.draft_bytes, request.max_context, request.window)
 
 

@@ -215,8 +215,10 @@ class DraftModel:
 
     @property
     def device_bytes(self) -> int:
-        """Dense parts plus every expert in packed form."""
-        return self.dense_bytes + self.packed_bytes
+        """What the draft holds on its device: the dense parts and every expert in its compute form
+        (``dequant-cache``: dequantized, several times the packed bytes; ``dequant-on-the-fly``: the
+        packed words; ``int4-kernel``: the kernel's layout). The memory plan reserves this much."""
+        return self.dense_bytes + self.kernels.nbytes
 
     def new_cache(self, batched: bool = False) -> DynamicCache | StaticKV:
         """An empty KV cache: the static one the graphed step writes (one sequence at a time), or a new

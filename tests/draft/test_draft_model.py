@@ -149,8 +149,13 @@ def test_draft_folder_contents(plain_dir, draft_dir) -> None:
             torch.testing.assert_close(out.get_tensor(router), src.get_tensor(router) * s)
             assert not torch.allclose(s, torch.ones_like(s))
     draft = DraftModel.load(folder, device="cpu", mode="dequant-cache")
-    assert draft.device_bytes == draft.packed_bytes + draft.dense_bytes
     assert draft.packed_bytes == report["packed_bytes"]
+    # what the memory plan reserves is what the draft holds: its dequantized cache (fp32 here: 8x the
+    # packed int4 codes, less the packed scales), not the packed bytes
+    assert draft.device_bytes == draft.kernels.nbytes + draft.dense_bytes
+    assert draft.kernels.nbytes > 4 * draft.packed_bytes
+    packed = DraftModel.load(folder, device="cpu", mode="dequant-on-the-fly")
+    assert packed.device_bytes < draft.device_bytes
 
 
 def test_rtn_without_calibration_and_awq_needs_it(plain_dir, tmp_path) -> None:

@@ -15,6 +15,9 @@ differing per repeat), with medians over ``--repeats``:
 * ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %);
 * ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
   steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target;
+* ``specter-paper-int4``, ``specter-int4`` (the first budget, where the int4 kernel takes the shapes):
+  the draft's experts in int4 on the device (``int4-kernel``: a step gathers its routed experts, no
+  read, graphed), beside the draft step's time in that mode;
 * ``demand-lru-processes``, ``specter-processes`` (``--processes``; the first budget): the same
   policies through the three roles as plain processes (``specter/remote/processes.py``): the transfer
   process's copy stream writes the slots the verifier reads by CUDA IPC. One replica per shape serves
@@ -141,6 +144,9 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
+    int4 = int4_draft_ok(folder / "draft", device, dtype)
+    if int4:  # the draft's experts in int4 on the device, gathered per step (where the kernel takes the shapes)
+        settings += [(f"{policy}-int4", budgets[0]) for policy in SPECULATIVE]
     settings += [(policy, budgets[0]) for policy in args.extra.split(",") if policy]
     settings += [(f"{policy}-processes", budgets[0]) for policy in args.processes.split(",") if policy]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
@@ -158,8 +164,10 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
                 save({**shape_figures(layers, gain, dtype, runs, {}), "repeats_done": repeat + 1})
     finally:
         runner.close()
-    steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens)
-             for mode in ("eager", "graph" if cuda else "static")}
+    graph = "graph" if cuda else "static"
+    steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens) for mode in ("eager", graph)}
+    if int4:
+        steps[f"int4 {graph}"] = draft_step_ms(folder / "draft", graph, device, dtype, new_tokens, "int4-kernel")
     return shape_figures(layers, gain, dtype, runs, steps)
 
 
@@ -182,12 +190,28 @@ def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, 
             "runs": runs}
 
 
-def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, tokens: int) -> float:
+def int4_draft_ok(folder: Path, device: str, dtype: torch.dtype) -> bool:
+    """Whether the draft runs in ``int4-kernel`` with every MoE layer gathered (the kernel takes its shapes)."""
+    from specter.draft.runner import DraftModel
+
+    try:
+        draft = DraftModel.load(folder, device=device, mode="int4-kernel", dtype=dtype, step="eager")
+    except ValueError as exc:
+        print(f"gpu_bench: no int4 draft rows: {exc}", file=sys.stderr, flush=True)
+        return False
+    try:
+        return bool(draft.kernels.gathered) and draft.kernels.kernel_fallbacks == 0
+    finally:
+        draft.close()
+
+
+def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, tokens: int,
+                  mode: str = "dequant-cache") -> float:
     """The draft's one-token step in ``step`` mode (``DraftModel.load``): median ms over ``tokens`` greedy
     steps after a 16-token prompt (each step reads its routing and token, as the engine's do)."""
     from specter.draft.runner import DraftModel
 
-    draft = DraftModel.load(folder, device=device, mode="dequant-cache", dtype=dtype, step=step)
+    draft = DraftModel.load(folder, device=device, mode=mode, dtype=dtype, step=step)
     try:
         cache = draft.new_cache()
         draft.forward(torch.arange(16)[None], cache)
@@ -212,6 +236,7 @@ class Runner:
         self.link = LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=2e9, latency=10e-6)
         self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype)
         self.eager_draft: Any = None
+        self.int4_draft: Any = None
         self.processes: Any = None  # the three roles as processes (launched by the first ``-processes`` run)
         self.moe_layers = 1  # the target's MoE layers (known from the first run in process)
 
@@ -226,6 +251,15 @@ class Runner:
                                                dtype=self.dtype, step="eager")
         return self.eager_draft
 
+    def _int4(self) -> Any:
+        """The draft in ``int4-kernel`` (its steps graphed where the device allows), loaded once."""
+        if self.int4_draft is None:
+            from specter.draft.runner import DraftModel
+
+            self.int4_draft = DraftModel.load(self.folder / "draft", device=self.device, mode="int4-kernel",
+                                              dtype=self.dtype)
+        return self.int4_draft
+
     def run(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
         if policy == "transformers":
             return self._transformers(prompt, new_tokens)
@@ -237,12 +271,14 @@ class Runner:
 
         eager = policy.endswith("-eager")  # the lean steps without graphs (a CPU's default), for the ratio
         policy = policy.removesuffix("-eager")
+        int4 = policy.endswith("-int4")  # the draft's experts in int4, gathered per step
+        policy = policy.removesuffix("-int4")
         name = "demand-lru" if policy == "engine" else policy
         target = OffloadedTarget.load(self.folder / "target", SlotConfig(fraction=budget), self.link, name,
                                       device=self.device, dtype=self.dtype, step="eager" if eager else "auto")
         try:
             window = SPECULATIVE.get(policy.split("+")[0], 0)
-            engine = Engine(target, self._draft(eager) if window else None, window=window)
+            engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
             engine.generate_fresh(prompt, 2)  # warm-up: kernels chosen, caches allocated
             tokens, stats = engine.generate_fresh(prompt, new_tokens)
             layers = self.moe_layers = len(target.loaded.moe_layers)
@@ -316,7 +352,7 @@ class Runner:
             torch.cuda.synchronize()
 
     def close(self) -> None:
-        for draft in (self.draft, self.eager_draft):
+        for draft in (self.draft, self.eager_draft, self.int4_draft):
             getattr(draft, "close", lambda: None)()
         if self.processes is not None:
             self.processes.shutdown()

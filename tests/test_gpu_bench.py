@@ -27,10 +27,14 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         names = {f"{p}@{b}" for b in ("0.25", "0.5") for p in ("demand-lru", "specter-paper", "specter")}
         eager = {"engine-eager@1", "demand-lru-eager@0.25", "specter-eager@0.25"}
         processes = {"demand-lru-processes@0.25", "specter-processes@0.25"}  # the three roles as processes
-        assert set(block["summary"]) == names | eager | processes | {"transformers@1", "engine@1"}
+        # the int4 draft where the kernel takes the shrunk shapes (Mixtral's; Qwen's intermediate 88 is not
+        # a multiple of 32)
+        int4 = {"specter-paper-int4@0.25", "specter-int4@0.25"} if shape == "mixtral-8x7b" else set()
+        assert set(block["summary"]) == names | eager | processes | int4 | {"transformers@1", "engine@1"}
+        assert ("int4 static" in block["draft_step"]) == bool(int4)
         for name in processes:
             assert block["summary"][name]["vs_in_process"] > 0
-        assert set(block["draft_step"]) == {"eager", "static"} and block["draft_step"]["static"]["ms"] > 0
+        assert {"eager", "static"} <= set(block["draft_step"]) and block["draft_step"]["static"]["ms"] > 0
         reference = block["runs"]["transformers@1"][0]["tokens"]
         for name, runs in block["runs"].items():
             assert runs[0]["tokens"] == reference, name  # fp32 on a CPU: token-identical

@@ -1,9 +1,12 @@
 """How the draft computes with its quantized experts: three interchangeable ways.
 
-* ``int4-kernel`` — torch's int4 matmul (``aten._weight_int4pack_mm_for_cpu``) on weights
-  converted once to its tiled layout; the AWQ scale divides the input first. CPU only, 4-bit,
-  and only where the kernel accepts the shape (output dim a multiple of 16, group 32–256);
-  other projections use the dequantized cache.
+* ``int4-kernel`` — torch's int4 W4A16 matmul (``aten._weight_int4pack_mm_for_cpu`` on a CPU,
+  ``aten._weight_int4pack_mm`` in bf16 on CUDA) on weights converted once to its tiled layout; the
+  AWQ scale divides the input first. 4-bit, and only where the kernel accepts the shape (output dim
+  a multiple of 16, input dim of 32, group 32–256); other projections use the dequantized cache.
+  A layer whose experts all take the kernel is also stacked (``Int4Layer``): a step of a few tokens
+  gathers its routed experts by their device-side ids and needs no read of the routing (a CUDA graph
+  captures it); the device holds the experts in int4, a quarter of the dequantized cache's bytes.
 * ``dequant-cache`` — every expert dequantized once at load into a dense compute cache
   (``W = (codes - zero) * scale / s``); plain ``F.linear`` per step.
 * ``dequant-on-the-fly`` — only the packed words stay resident; each call unpacks and
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from specter.draft.format.pack import pack_int32, unpack_int32
 from specter.draft.format.qweight import QuantWeight
+from specter.experts.grouped import weighted_sum
 from specter.experts.slots import Key
 
 log = logging.getLogger(__name__)
@@ -62,14 +66,78 @@ def fuse_rows(top: QuantWeight, bottom: QuantWeight) -> QuantWeight:
 
 
 def kernel_accepts(quant: QuantWeight) -> bool:
-    """Whether the CPU int4 kernel takes this weight's shape and grouping."""
+    """Whether the int4 kernel takes this weight's shape and grouping (the CPU's and CUDA's both)."""
     out, inp = quant.shape
     return (
         quant.num_bits == 4
         and out % 16 == 0
+        and inp % 32 == 0
         and quant.group_size in _KERNEL_GROUPS
         and inp % quant.group_size == 0
     )
+
+
+def _inner_k_tiles(inp: int) -> int:
+    """CUDA's int4 layout tiles the input dim by ``16 * inner_k_tiles`` (8, 4 or 2)."""
+    return next(tiles for tiles in (8, 4, 2) if inp % (16 * tiles) == 0)
+
+
+class Int4Layer:
+    """One MoE layer's experts in the int4 kernel's layout, stacked (each expert's weights are views of
+    the stacks): a step's ``T * k`` routed pairs (at most ``max_pairs``) gather their experts by the
+    device-side ids (``index_select``) and run one pair per kernel call, in a fixed number of ops:
+    no read of the routing, static shapes (a CUDA graph captures it).
+
+    Args:
+        gate_ups, downs: the layer's experts' projections, in expert order (all ``_Int4``, no act-order).
+    """
+
+    max_pairs = 16  # a draft step's tokens x top-k: one token, or a round's catch-up of two
+
+    def __init__(self, gate_ups: list[_Int4], downs: list[_Int4]):
+        self.up_packed, self.up_scales, self.up_inv = _stack_int4(gate_ups)
+        self.down_packed, self.down_scales, self.down_inv = _stack_int4(downs)
+        self.up_group, self.down_group = gate_ups[0].group, downs[0].group
+        self.matmul = gate_ups[0].matmul
+
+    def __call__(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        act_fn: Callable[[torch.Tensor], torch.Tensor], residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``hidden (T, H)``'s routed experts weighted and summed (plus ``residual``), ``T * k <= max_pairs``."""
+        tokens, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
+        up_w, up_s = self.up_packed.index_select(0, ids), self.up_scales.index_select(0, ids)
+        down_w, down_s = self.down_packed.index_select(0, ids), self.down_scales.index_select(0, ids)
+        x = hidden.repeat_interleave(k, dim=0) if tokens > 1 else hidden.expand(k, -1)
+        if self.up_inv is not None:
+            x = x * self.up_inv.index_select(0, ids)
+        down_inv = self.down_inv.index_select(0, ids) if self.down_inv is not None else None
+        outs = []
+        for p in range(tokens * k):  # a fixed count of pairs, each its gathered expert
+            gate, up = self.matmul(x[p : p + 1].contiguous(), up_w[p], self.up_group, up_s[p]).chunk(2, dim=-1)
+            h = act_fn(gate) * up
+            if down_inv is not None:
+                h = h * down_inv[p]
+            outs.append(self.matmul(h, down_w[p], self.down_group, down_s[p]))
+        pairs = torch.cat(outs).view(tokens, k, -1)
+        return weighted_sum(pairs, top_k_weights, residual)
+
+
+def _stack_int4(projections: list[_Int4]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The projections' packed weights, scales and inverse AWQ scales stacked ``(E, ...)``; each
+    projection's own tensors become views of the stacks (no second copy)."""
+    packed = torch.stack([p.packed for p in projections])
+    scales = torch.stack([p.scale_zero for p in projections])
+    inv = None
+    given = [p.inv_awq for p in projections if p.inv_awq is not None]
+    if given:
+        inv = torch.stack([p.inv_awq if p.inv_awq is not None else torch.ones_like(given[0]) for p in projections])
+    for i, p in enumerate(projections):
+        p.packed, p.scale_zero = packed[i], scales[i]
+        if inv is not None and p.inv_awq is not None:
+            p.inv_awq = inv[i]
+    return packed, scales, inv
 
 
 class _Dense:
@@ -84,11 +152,18 @@ class _Dense:
 
 
 class _Int4:
-    """A projection through torch's CPU int4 kernel (tinygemm layout)."""
+    """A projection through torch's int4 kernel (tinygemm layout: ``_for_cpu`` on a CPU; on CUDA the
+    kernel takes bf16 and the codes packed two to a byte, the even column in the high nibble)."""
 
     def __init__(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device):
         unsigned = quant.codes.to(torch.int32) + 8
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.to(device), 2)
+        if device.type == "cuda":
+            pairs = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8).to(device)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_k_tiles(quant.shape[1]))
+            self.matmul = torch.ops.aten._weight_int4pack_mm
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.to(device), 2)
+            self.matmul = torch.ops.aten._weight_int4pack_mm_for_cpu
         # The kernel computes (q_unsigned - 8) * scale + zero; ours is (code - zp) * scale,
         # with code = q_unsigned - 8, so its "zero" is -zp * scale.
         scale = quant.scale.float()
@@ -104,9 +179,7 @@ class _Int4:
             x = x * self.inv_awq
         if self.order is not None:  # act-order: the codes' columns are the input's in this order
             x = x[:, self.order]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), self.packed, self.group, self.scale_zero
-        )
+        return self.matmul(x.contiguous(), self.packed, self.group, self.scale_zero)
 
 
 class _OnTheFly:
@@ -157,8 +230,10 @@ class ExpertKernels:
     ):
         if mode not in MODES or mode == "auto":
             raise ValueError(f"mode must be one of {', '.join(MODES[1:])}; got {mode!r}")
-        if mode == "int4-kernel" and device.type != "cpu":
-            raise ValueError(f"mode 'int4-kernel' is implemented for cpu only, not {device.type}")
+        if mode == "int4-kernel" and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"mode 'int4-kernel' runs on cpu or cuda, not {device.type}")
+        if mode == "int4-kernel" and device.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"mode 'int4-kernel' on cuda computes in bfloat16, not {dtype}")
         self.mode = mode
         self.kernel_fallbacks = 0
         self._gate_up: dict[Key, Projection] = {}
@@ -170,6 +245,7 @@ class ExpertKernels:
                 self._gate_up[key] = _Pair(self._make(gate, dtype, device), self._make(up, dtype, device))
             self._down[key] = self._make(down, dtype, device)
         self.stacked = self._stack(experts, dtype, device) if mode == "dequant-cache" else {}
+        self.gathered = self._stack_int4_layers(experts) if mode == "int4-kernel" else {}
         if self.kernel_fallbacks:
             log.info(
                 "int4-kernel: %d projections outside the kernel's shapes use the dequantized cache",
@@ -197,6 +273,19 @@ class ExpertKernels:
                 a.weight, b.weight = gate_up[i], down[i]  # type: ignore[attr-defined]
             stacked[layer] = (gate_up, down)
         return stacked
+
+    def _stack_int4_layers(self, experts: dict[Key, ExpertWeights]) -> dict[int, Int4Layer]:
+        """layer → its ``Int4Layer``, for the layers whose every expert runs gate and up stacked and
+        down through the int4 kernel without act-order."""
+        layers: dict[int, Int4Layer] = {}
+        for layer in sorted({key[0] for key in experts}):
+            keys = sorted(key for key in experts if key[0] == layer)
+            gate_ups, downs = [self._gate_up[key] for key in keys], [self._down[key] for key in keys]
+            if keys != [(layer, e) for e in range(len(keys))]:
+                continue
+            if all(isinstance(p, _Int4) and p.order is None for p in (*gate_ups, *downs)):
+                layers[layer] = Int4Layer(gate_ups, downs)  # type: ignore[arg-type]
+        return layers
 
     def _make(self, quant: QuantWeight, dtype: torch.dtype, device: torch.device) -> Projection:
         if self.mode == "dequant-on-the-fly":

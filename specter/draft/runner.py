@@ -45,10 +45,11 @@ class DraftExperts:
 
     Where a layer's experts are stacked (``dequant-cache``: ``ExpertKernels.stacked``) the layer is
     grouped calls over them with the pairs sorted on the device (``experts/grouped.py:
-    resident_experts``): no read of device data, the same ops whatever the routing. Otherwise
-    (the int4 kernel and the packed mode compute one expert per call) the routing is read once
-    and each expert runs on a contiguous slice of rows, summed in ascending id order as
-    transformers' loop does.
+    resident_experts``): no read of device data, the same ops whatever the routing. In
+    ``int4-kernel`` a step of a few tokens gathers its pairs' experts by their device-side ids
+    (``ExpertKernels.gathered``: ``kernels.py: Int4Layer``), also without a read. Otherwise (the
+    packed mode, a prompt in ``int4-kernel``) the routing is read once and each expert runs on a
+    contiguous slice of rows, summed in ascending id order as transformers' loop does.
     """
 
     def __init__(self, kernels: ExpertKernels, grouped: bool = True):
@@ -69,6 +70,9 @@ class DraftExperts:
         stacked = self.kernels.stacked.get(layer) if self.grouped else None
         if stacked is not None:
             return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn, residual)
+        gathered = self.kernels.gathered.get(layer) if self.grouped else None
+        if gathered is not None and top_k_index.numel() <= gathered.max_pairs:  # a step: no read
+            return gathered(hidden, top_k_index, top_k_weights, module.act_fn, residual)
         final = self._loop(module, layer, hidden, top_k_index, top_k_weights)
         return final if residual is None else residual + final
 
@@ -134,10 +138,12 @@ class DraftModel:
             for layer, router in router_modules(loaded.model).items()
         ]
         self.lean = LeanStep.for_model(loaded.model, loaded.family.model_type, fused) if lean else None
-        static_ok = self.lean is not None and self.lean.fused is not None and kernels.mode == "dequant-cache"
+        no_read = kernels.mode == "dequant-cache" or (kernels.mode == "int4-kernel" and bool(kernels.gathered))
+        static_ok = self.lean is not None and self.lean.fused is not None and no_read
         self.step_mode = resolve_step(step, device, None if static_ok else (
-            f"the fused lean step of a supported family and the dequant-cache mode (its experts grouped on "
-            f"the device); this draft has mode {kernels.mode!r}, lean step {'on' if self.lean else 'off'}"))
+            f"the fused lean step of a supported family and its experts computed on the device without a read "
+            f"(dequant-cache grouped, or int4-kernel gathered); this draft has mode "
+            f"{kernels.mode!r}, lean step {'on' if self.lean else 'off'}"))
         self.graphed: GraphedStep | None = None
         if self.step_mode != "eager":
             assert self.lean is not None

@@ -50,9 +50,9 @@ def test_kernel_shape_rules_and_fallback() -> None:
     assert kernels.kernel_fallbacks == 1
 
 
-def test_int4_kernel_is_cpu_only_and_modes_are_checked() -> None:
+def test_int4_kernel_runs_on_a_cpu_or_cuda_and_modes_are_checked() -> None:
     expert = _expert(torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match="cpu only"):
+    with pytest.raises(ValueError, match="cpu or cuda"):
         ExpertKernels({(0, 0): expert}, "int4-kernel", torch.float32, torch.device("meta"))
     with pytest.raises(ValueError, match="mode"):
         ExpertKernels({(0, 0): expert}, "auto", torch.float32, CPU)
@@ -78,3 +78,61 @@ def test_draft_model_int4_kernel_matches_dequant(draft_dir) -> None:
     torch.testing.assert_close(kernel.forward(ids), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fly.forward(ids), ref, rtol=1e-5, atol=1e-5)
     assert kernel.packed_bytes == dense.packed_bytes < dense.kernels.nbytes
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_an_int4_step_gathers_its_experts_without_a_read_and_matches_the_expert_loop(draft_dir, method) -> None:
+    """In ``int4-kernel`` a step's routed experts are gathered by their device-side ids (``Int4Layer``):
+    the same kernel per expert as the loop that reads the routing (only the sum's order differs), no
+    read of device data beyond the step's one (routing and token together), the step graphable
+    (``static``: the pieces a GPU captures, run eagerly), and the experts held once, in int4."""
+    from specter.models.routing import router_modules
+    from specter.timing.dispatch import DispatchCount
+
+    folder = draft_dir("kernel", method)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(5))
+    gathered = DraftModel.load(folder, device="cpu", mode="int4-kernel")
+    looped = DraftModel.load(folder, device="cpu", mode="int4-kernel", grouped=False)
+    static = DraftModel.load(folder, device="cpu", mode="int4-kernel", step="static")
+    cache = DraftModel.load(folder, device="cpu", mode="dequant-cache")
+    assert set(gathered.kernels.gathered) == set(router_modules(gathered.model))  # every MoE layer
+    assert static.step_mode == "static"
+    layer = next(iter(gathered.kernels.gathered.values()))
+    first = gathered.kernels._gate_up[(min(gathered.kernels.gathered), 0)]
+    assert first.packed.data_ptr() == layer.up_packed[0].data_ptr()  # the experts' views of the stack
+    assert gathered.kernels.nbytes * 3 < cache.kernels.nbytes  # int4 on the device, not the cache
+    caches = [m.new_cache() for m in (gathered, looped, static, cache)]
+    for model, kv in zip((gathered, looped, static, cache), caches, strict=True):
+        model.forward(prompt, kv)
+    for step in ([[7]], [[31]], [[3, 90]]):  # one token, another, a round's catch-up of two
+        ids = torch.tensor(step)
+        with DispatchCount() as counted:
+            got = gathered.forward(ids, caches[0])
+        with DispatchCount() as counted_cache:
+            want_cache = cache.forward(ids, caches[3])
+        want = looped.forward(ids, caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(static.forward(ids, caches[2]), got, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want_cache, rtol=1e-3, atol=1e-3)
+        assert counted.reads == counted_cache.reads == 1  # the step's routing and token, in one read
+
+
+def test_speculation_with_a_gathered_int4_draft_is_the_targets_greedy_output(plain_dir, draft_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from specter.config import LinkConfig, SlotConfig
+    from specter.engine import Engine
+    from specter.target import OffloadedTarget
+
+    folder, prompt = plain_dir("kernel"), [5, 99, 17, 42, 8, 63, 21]
+    reference = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    draft = DraftModel.load(draft_dir("kernel", "awq"), device="cpu", mode="int4-kernel", step="static")
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=0.5), LinkConfig(bandwidth=2e9, latency=5e-6),
+                                  "specter+fixed")
+    try:
+        tokens, stats = Engine(target, draft, 4).generate_fresh(prompt, 12)
+    finally:
+        target.close()
+    assert tokens == want[0, len(prompt):].tolist()
+    assert stats.extra["drafted"] > 0

@@ -45,3 +45,28 @@ def test_the_graphed_draft_step_computes_the_eager_step() -> None:
     # captured on a token count's second step: T 1 at capacity 16, T 1 again at 32, then T 2
     assert graphed.graphed.failure is None
     assert graphed.graphed.captures == 3 and graphed.graphed.cache.capacity == 32
+
+
+def test_the_int4_draft_on_the_device_gathers_its_experts_inside_the_graph() -> None:
+    """``int4-kernel`` on CUDA: every expert in the kernel's int4 layout on the device (a quarter of the
+    dequantized cache), a step's routed experts gathered by their device-side ids inside the captured
+    graph (no read), its logits those of the eager int4 step and, to bf16 rounding, of the cache."""
+    folder = f"{DEFAULT_MODEL}-awq"
+    graphed = DraftModel.load(folder, device="cuda", mode="int4-kernel", dtype=torch.bfloat16, step="graph")
+    eager = DraftModel.load(folder, device="cuda", mode="int4-kernel", dtype=torch.bfloat16, step="eager")
+    cache = DraftModel.load(folder, device="cuda", mode="dequant-cache", dtype=torch.bfloat16, step="eager")
+    assert graphed.kernels.gathered and graphed.kernels.kernel_fallbacks == 0
+    assert graphed.kernels.nbytes * 3 < cache.kernels.nbytes
+    gen = torch.Generator().manual_seed(6)
+    caches = {id(m): m.new_cache() for m in (graphed, eager, cache)}
+    prompt = torch.randint(0, 4096, (1, 9), generator=gen)
+    for model in (graphed, eager, cache):
+        model.forward(prompt, caches[id(model)])
+    for step in (1, 1, 2, 1, 1, 2, 1, 1):
+        ids = torch.randint(0, 4096, (1, step), generator=gen)
+        want = eager.forward(ids, caches[id(eager)])
+        got = graphed.forward(ids, caches[id(graphed)])
+        dense = cache.forward(ids, caches[id(cache)])
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, dense, rtol=5e-2, atol=5e-2)
+    assert graphed.graphed is not None and graphed.graphed.failure is None and graphed.graphed.captures >= 2

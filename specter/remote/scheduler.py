@@ -44,7 +44,8 @@ from specter.remote.shm import SharedSlots
 from specter.timing.clock import WallClock
 
 if TYPE_CHECKING:
-    from specter.remote.transfer_server import CudaSlotWriterLink, SlotWriterLink
+    from specter.remote.cuda_link import CudaSlotWriterLink
+    from specter.remote.transfer_server import SlotWriterLink
 
 _EARLY_ROUNDS = 4  # rounds ahead whose plans are held (a pipelined draft is one round ahead; a
 # request's first round is two wire ids past the last one of the request before)

@@ -56,6 +56,7 @@ ROW_WORDS = 5
 EMPTY = -1  # LAYER/EXPERT of a slot that holds nothing
 SPIN_S = 50e-6  # wait_ready spins this long before it starts to sleep
 MAX_SLEEP_S = 1e-3
+PINNED_RETRY_S = 1e-4  # a writer waiting for a reader to unpin a slot looks again this soon
 
 
 

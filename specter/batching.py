@@ -43,10 +43,10 @@ from typing import Any
 import torch
 
 from specter.config import SamplingConfig
-from specter.engine import check_request, link_state
 from specter.plan import drafts
 from specter.plan.window import WindowChooser
 from specter.proposer import BatchDrafter, LocalDrafter
+from specter.request import check_request, link_state
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.dispatch import flush_reads, host_read

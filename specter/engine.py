@@ -17,20 +17,32 @@ way: a round that stands is exactly the draft the round would have drafted (``Lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
 
-from specter.bound import Trace, lower_bound
+from specter.bound import Trace
 from specter.config import SamplingConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.graphed import StaticKV
 from specter.models.routing import Routing
 from specter.proposer import Draft, IdleProposer, LocalProposer, PipelinedProposer, Proposer
 from specter.protocol import PlanDelta
+from specter.request import (
+    Cancelled,
+    OnTokens,
+    Request,
+    Tally,
+    add_predicted,
+    check_request,
+    host_state,
+    link_state,
+    request_stats,
+    score_prediction,
+    trace_bound,
+    until_eos,
+)
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.costs import CostModel
@@ -39,63 +51,6 @@ from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
 __all__ = ["Cancelled", "Draft", "Engine", "OnTokens", "Routing"]
-
-OnTokens = Callable[[list[int]], None]  # the tokens a step or round committed, as it commits them
-Cancelled = Callable[[], bool]  # asked before each round: end the request now
-
-
-@dataclass
-class _Tally:
-    """Per-request accumulators the round updates."""
-
-    accepted: list[int] = field(default_factory=list)
-    drafted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    predicted_used: int = 0  # experts the draft predicted that the verify pass used, summed over layers
-    predicted: int = 0  # experts the draft predicted
-    used: int = 0  # experts the verify pass used
-    windows: list[int] = field(default_factory=list)  # every round's K (0: a plain decode step)
-    last: tuple[float, float] = (0.0, 0.0)  # the latest round's drafting and verify seconds
-    costs: tuple[float, float] = (0.0, 0.0)  # the same as the K chooser learns them (``_round``)
-    carried: float = 0.0  # seconds the latest verify pass spent drafting the next round, which stands
-    fresh_draft_s: float = 0.0  # draft compute charged to rounds drafted once the round before was judged
-
-
-@dataclass
-class _Request:
-    """A request's state as it decodes after its prompt: what it asked for and what it committed."""
-
-    seq: list[int]  # the prompt, then the tokens committed so far
-    prompt_len: int
-    max_new_tokens: int
-    eos: int | None
-    sampling: SamplingConfig
-    gen: torch.Generator
-    cache: DynamicCache | StaticKV
-    commits: list[float]  # when each committed token committed
-    on_tokens: OnTokens | None
-    cancelled: Cancelled | None
-    tally: _Tally
-
-    @property
-    def made(self) -> int:
-        """New tokens committed so far."""
-        return len(self.seq) - self.prompt_len
-
-    def finished(self) -> bool:
-        return self.made >= self.max_new_tokens or self.seq[-1] == self.eos
-
-    def stop_asked(self) -> bool:
-        return self.cancelled is not None and self.cancelled()
-
-    def commit(self, token: int, now: float) -> None:
-        """One token commits at ``now`` (a plain step's: each goes to ``on_tokens`` on its own)."""
-        self.seq.append(token)
-        self.commits.append(now)
-        if self.on_tokens is not None:
-            self.on_tokens([token])
-
 
 class Engine:
     """Generates with an offloaded target and, optionally, a draft proposing ``window`` tokens.
@@ -168,9 +123,9 @@ class Engine:
         on_tokens: OnTokens | None, cancelled: Cancelled | None,
     ) -> tuple[list[int], RequestStats]:
         gen = torch.Generator().manual_seed(sampling.seed)
-        before = (self.target.offload.counters.snapshot(), link_state(self.target), _host_state(self.target))
+        before = (self.target.offload.counters.snapshot(), link_state(self.target), host_state(self.target))
         self.policy.begin_request()
-        tally = _Tally()
+        tally = Tally()
         t0 = self.clock.now()
         tcache = self.target.new_cache()
         link = self.target.link
@@ -195,11 +150,12 @@ class Engine:
         costs = getattr(self.clock, "costs", None)  # the bound needs the cost model: virtual clock only
         trace = self.target.offload.start_trace() if costs is not None else None
         draft_mark = getattr(self.clock, "draft_charged", 0.0)
-        request = _Request(seq, len(prompt_ids), max_new_tokens, eos_token_id, sampling, gen, tcache, commits,
+        request = Request(seq, len(prompt_ids), max_new_tokens, eos_token_id, sampling, gen, tcache, commits,
                            on_tokens, cancelled, tally)
         stopped = self._plain(request) if self.proposer is None and sampling.greedy else self._rounds(request)
         tokens = seq[len(prompt_ids):]
-        stats = self._stats(before, len(prompt_ids), t0, commits, tally)
+        stats = request_stats(self.target, self.clock.name, self.policy.name, self.window, before, len(prompt_ids), t0,
+                              commits, tally)
         if trace is not None and costs is not None:
             self.target.offload.trace = None
             # Pipelined, a round drafted in the verify pass's waits still takes the device (one
@@ -223,7 +179,7 @@ class Engine:
             stats.extra["pipelined"] = True
             for name in ("ahead_asked", "ahead_kept", "ahead_dropped"):
                 stats.extra[name] = getattr(proposer, name)
-        host = (a - b for a, b in zip(_host_state(self.target), before[2], strict=True))
+        host = (a - b for a, b in zip(host_state(self.target), before[2], strict=True))
         stats.extra["host_experts"], stats.extra["host_s"], stats.extra["host_wait_s"] = host
         return tokens, stats
 
@@ -245,7 +201,7 @@ class Engine:
         offload.reset_residency()
         return self.generate(prompt_ids, max_new_tokens, sampling, eos_token_id, on_tokens, cancelled)
 
-    def _rounds(self, request: _Request) -> bool:
+    def _rounds(self, request: Request) -> bool:
         """Rounds until the request is done; whether ``cancelled`` ended it."""
         seq, tally = request.seq, request.tally
         round_id = 0
@@ -268,7 +224,7 @@ class Engine:
                                                standing, ahead_limit)
             if chooser is not None:
                 chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1)
-            committed = _until_eos(new[:remaining], request.eos)
+            committed = until_eos(new[:remaining], request.eos)
             seq += committed
             request.commits += [self.clock.now()] * len(committed)
             self.committed = request.made
@@ -279,7 +235,7 @@ class Engine:
         return False
 
     # -- plain greedy decoding -----------------------------------------------------------------
-    def _plain(self, request: _Request) -> bool:
+    def _plain(self, request: Request) -> bool:
         """Greedy steps with no draft until the request is done; whether ``cancelled`` ended it.
 
         Each step's token stays on the device and is the next step's input as it is. The host reads it
@@ -303,7 +259,7 @@ class Engine:
         return False
 
     def _plain_step(
-        self, step: int, request: _Request, made: torch.Tensor | None, last: bool
+        self, step: int, request: Request, made: torch.Tensor | None, last: bool
     ) -> tuple[list[int], torch.Tensor | None]:
         """One greedy step on ``made`` (the token the step before made, on the device; None: the request's
         latest token, known to the host). Returns the tokens read back (``made``, then this step's own when
@@ -332,7 +288,7 @@ class Engine:
         self.policy.end_round(step, 0, true)
         return read, None if last else token
 
-    def _commit(self, request: _Request, tokens: list[int]) -> None:
+    def _commit(self, request: Request, tokens: list[int]) -> None:
         """Plain steps' tokens as the host learns them, up to the request's EOS."""
         for token in tokens:
             if request.finished():
@@ -343,7 +299,7 @@ class Engine:
     # -- the round --------------------------------------------------------------------------
     def _round(
         self, round_id: int, seq: list[int], tcache: DynamicCache | StaticKV, k: int,
-        sampling: SamplingConfig, gen: torch.Generator, tally: _Tally, standing: bool = False, ahead_limit: int = 0,
+        sampling: SamplingConfig, gen: torch.Generator, tally: Tally, standing: bool = False, ahead_limit: int = 0,
     ) -> tuple[list[int], int | None, bool]:
         """One round: the tokens it commits (accepted drafts + the target's next token) and, when
         pipelined, the next round's K (drafted ahead, None when not chosen) and whether that
@@ -384,7 +340,7 @@ class Engine:
         if k:
             tally.accepted.append(n)
             tally.drafted += len(drafts)
-            _score(tally, predicted, true)
+            score_prediction(tally, predicted, true)
         stands = bool(ahead) and cast(PipelinedProposer, self.proposer).ahead_stands(n == len(drafts), nxt)
         # What the K chooser learns: the steps this verify pass drafted for a round that stands are
         # that round's drafting, not this pass's verify time (in process they ran on this clock).
@@ -401,7 +357,7 @@ class Engine:
         predicted: dict[int, set[int]] = {}
 
         def on_plan(delta: PlanDelta) -> None:
-            _predicted(predicted, [delta])
+            add_predicted(predicted, [delta])
             self.policy.on_plan(delta)
 
         route_last = self.policy.route_last_draft
@@ -417,105 +373,9 @@ class Engine:
         predicted: dict[int, set[int]] = {}
 
         def on_plans(deltas: list[PlanDelta]) -> None:
-            _predicted(predicted, deltas)
+            add_predicted(predicted, deltas)
             self.policy.on_plans(deltas)
 
         drafts, qs = cast(PipelinedProposer, self.proposer).take_ahead(round_id, seq, on_plans, ahead)
         return drafts, qs, predicted
 
-    def _stats(self, before, prompt_len: int, t0: float, commits: list[float], tally: _Tally) -> RequestStats:
-        counters = self.target.offload.counters.since(before[0])
-        moved, busy, transfers = (a - b for a, b in zip(link_state(self.target), before[1], strict=True))
-        decode_s = commits[-1] - commits[0]
-        total = commits[-1] - t0
-        hist = [tally.accepted.count(i) for i in range(self.window + 1)] if self.window else []
-        return RequestStats(
-            prompt_tokens=prompt_len,
-            new_tokens=len(commits),
-            prefill_s=commits[0] - t0,
-            decode_s=decode_s,
-            # TPOT as the published evaluation defines it: (last commit - first commit) / (N - 1).
-            tpot_s=decode_s / (len(commits) - 1) if len(commits) > 1 else commits[0] - t0,
-            hits=counters.hits,
-            inflight=counters.inflight,
-            misses=counters.misses,
-            hit_rate=counters.hit_rate,
-            wait_s=counters.wait_s,
-            bytes_moved=int(moved),
-            link_busy_s=float(busy),
-            link_busy_fraction=float(busy) / total if total > 0 else 0.0,
-            transfers=int(transfers),
-            extra={
-                "clock": self.clock.name,
-                "policy": self.policy.name,
-                "window": self.window,
-                "rounds": len(tally.accepted),
-                "drafted": tally.drafted,
-                "accepted_hist": hist,
-                "mean_accepted": sum(tally.accepted) / len(tally.accepted) if tally.accepted else 0.0,
-                "mean_window": sum(tally.windows) / len(tally.windows) if tally.windows else 0.0,
-                "plain_rounds": tally.windows.count(0),
-                "recall": tally.predicted_used / tally.used if tally.used else 0.0,
-                "precision": tally.predicted_used / tally.predicted if tally.predicted else 0.0,
-                "draft_s": tally.draft_s,
-                "verify_s": tally.verify_s,
-            },
-        )
-
-
-def _predicted(predicted: dict[int, set[int]], deltas: list[PlanDelta]) -> None:
-    for delta in deltas:
-        for layer, ids in zip(delta.layers, delta.experts, strict=True):
-            predicted.setdefault(layer, set()).update(ids)
-
-
-def _score(tally: _Tally, predicted: dict[int, set[int]], true: dict[int, set[int]]) -> None:
-    for layer, want in true.items():
-        got = predicted.get(layer, set())
-        tally.predicted_used += len(got & want)
-        tally.used += len(want)
-        tally.predicted += len(got)
-
-
-def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
-
-
-def _host_state(target: OffloadedTarget) -> tuple[int, float, float]:
-    """(experts computed on the host, their host time, time layers waited for the host)."""
-    host = target.offload.host
-    return host.snapshot() if host is not None else (0, 0.0, 0.0)
-
-
-def check_request(target: OffloadedTarget, prompt_ids: list[int], max_new_tokens: int, window: int = 0) -> None:
-    """Reject a request the model cannot serve, naming the field, before any work."""
-    config = target.model.config
-    if not prompt_ids:
-        raise ValueError("prompt: must hold at least one token")
-    if any(not isinstance(t, int) or not 0 <= t < config.vocab_size for t in prompt_ids):
-        raise ValueError(f"prompt: token ids must be integers in [0, {config.vocab_size})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-    context = getattr(config, "max_position_embeddings", None)
-    # The verify pass may run up to K positions past the last committed token.
-    need = len(prompt_ids) + max_new_tokens + window
-    if context is not None and need > context:
-        raise ValueError(
-            f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-            f"+ window ({window}) = {need} exceeds the model's context of {context} positions"
-        )
-
-
-def trace_bound(target: OffloadedTarget, trace: Trace, costs: CostModel) -> float:
-    """The lower bound in seconds on the passes ``trace`` recorded on ``target`` (``specter/bound.py``):
-    its link's time per transfer, its host's expert times (if it computes on the host)."""
-    offload = target.offload
-    host = offload.host.expert_s if offload.host is not None else None
-    transfer = target.link.estimate_s(offload.store.shape.nbytes)
-    return lower_bound(trace, costs.expert_s, transfer, host).decode_s
-
-
-def link_state(target: OffloadedTarget) -> tuple[int, float, int]:
-    """The target's link counters: bytes moved, busy seconds, transfers."""
-    link = target.link
-    return link.bytes_moved, link.busy_s, link.transfers

@@ -10,7 +10,7 @@ import torch
 from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
-import specter.engine as engine_module
+import specter.request as request_module
 from specter.bound import lower_bound
 from specter.config import SamplingConfig, SlotConfig
 from specter.draft.resident import ResidentDraft
@@ -94,7 +94,7 @@ def test_the_bound_leaves_out_the_drafting_of_rounds_thrown_away(setup, monkeypa
         traces.append(trace)
         return lower_bound(trace, *args)
 
-    monkeypatch.setattr(engine_module, "lower_bound", recording)
+    monkeypatch.setattr(request_module, "lower_bound", recording)
     folder, _, _, wrong = setup
     _, plain = _run(folder, wrong, "specter+fixed", 4, pipelined=False)[:2]
     _, piped, proposer = _run(folder, wrong, "specter+fixed", 4, pipelined=True)

@@ -144,14 +144,14 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
-    int4 = int4_draft_ok(folder / "draft", device, dtype)
+    runner = Runner(folder, device, dtype, cuda)
+    int4 = runner.int4_ready()
     if int4:  # the draft's experts in int4 on the device, gathered per step (where the kernel takes the shapes)
         settings += [(f"{policy}-int4", budgets[0]) for policy in SPECULATIVE]
     settings += [(policy, budgets[0]) for policy in args.extra.split(",") if policy]
     settings += [(f"{policy}-processes", budgets[0]) for policy in args.processes.split(",") if policy]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
     gen = torch.Generator().manual_seed(0)
-    runner = Runner(folder, device, dtype, cuda)
     try:
         warm = torch.randint(0, 4096, (16,), generator=torch.Generator().manual_seed(1)).tolist()
         for policy, budget in settings:  # a discarded pass: each path's first kernels, handles and modules
@@ -188,21 +188,6 @@ def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, 
                   for mode, ms in steps.items()}
     return {"layers": layers, "gain": gain, "dtype": str(dtype), "summary": summary, "draft_step": draft_step,
             "runs": runs}
-
-
-def int4_draft_ok(folder: Path, device: str, dtype: torch.dtype) -> bool:
-    """Whether the draft runs in ``int4-kernel`` with every MoE layer gathered (the kernel takes its shapes)."""
-    from specter.draft.runner import DraftModel
-
-    try:
-        draft = DraftModel.load(folder, device=device, mode="int4-kernel", dtype=dtype, step="eager")
-    except ValueError as exc:
-        print(f"gpu_bench: no int4 draft rows: {exc}", file=sys.stderr, flush=True)
-        return False
-    try:
-        return bool(draft.kernels.gathered) and draft.kernels.kernel_fallbacks == 0
-    finally:
-        draft.close()
 
 
 def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, tokens: int,
@@ -251,13 +236,25 @@ class Runner:
                                                dtype=self.dtype, step="eager")
         return self.eager_draft
 
-    def _int4(self) -> Any:
-        """The draft in ``int4-kernel`` (its steps graphed where the device allows), loaded once."""
-        if self.int4_draft is None:
-            from specter.draft.runner import DraftModel
+    def int4_ready(self) -> bool:
+        """Whether the draft runs in ``int4-kernel`` with its experts gathered (the kernel takes every
+        projection's shape); loads it for the ``-int4`` rows when it does."""
+        from specter.draft.runner import DraftModel
 
-            self.int4_draft = DraftModel.load(self.folder / "draft", device=self.device, mode="int4-kernel",
-                                              dtype=self.dtype)
+        try:
+            draft = DraftModel.load(self.folder / "draft", device=self.device, mode="int4-kernel", dtype=self.dtype)
+        except ValueError as exc:
+            print(f"gpu_bench: no int4 draft rows: {exc}", file=sys.stderr, flush=True)
+            return False
+        if not draft.kernels.gathered or draft.kernels.kernel_fallbacks:
+            draft.close()
+            return False
+        self.int4_draft = draft
+        return True
+
+    def _int4(self) -> Any:
+        """The draft in ``int4-kernel`` (its steps graphed where the device allows): ``int4_ready``'s."""
+        assert self.int4_draft is not None, "int4_ready() first"
         return self.int4_draft
 
     def run(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:

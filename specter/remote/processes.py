@@ -258,10 +258,9 @@ def launch_processes(
     if draft is not None and Path(draft, "config.json").is_file() and Path(model, "config.json").is_file():
         check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
     prefix = f"specter-p{os.getpid()}-{secrets.token_hex(4)}"
-    device = "cuda" if link.kind == "cuda" else "cpu"
     transfer = RoleProcess("transfer", str(model), budget, link, prefix, timeout_s, dtype=dtype)
     verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile, dtype=dtype)
-    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode, device=device) if draft is not None else None
+    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode, link=link) if draft is not None else None
     roles = [r for r in (transfer, verifier, draft_role) if r is not None]
     engine = ProcessEngine(transfer, verifier, draft_role, prefix, policy, roles=roles)
     try:

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from process_faults import kill_transfer_after
 from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
@@ -84,17 +82,7 @@ def test_a_killed_transfer_process_is_reported_as_such_and_leaves_nothing(models
     handle = launch_processes(folder, draft, BUDGET, slow, policy="specter+fixed", timeout_s=600)
     assert not _entries(handle.prefix)  # sealed: nothing named once wired
     pid = handle.transfer.pid
-    assert pid is not None
-    killed = threading.Event()
-
-    def kill_inside() -> None:  # tied to the request's state (experts moving for it), not to a clock
-        start = handle.transfer.call("counters")["transfers"]
-        while handle.transfer.call("counters")["transfers"] < start + 3:
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-        killed.set()
-
-    threading.Thread(target=kill_inside, daemon=True).start()
+    killed = kill_transfer_after(handle)  # tied to the request's state (experts moving for it), not to a clock
     try:
         with pytest.raises(RoleGone, match=rf"the transfer process \(pid {pid}\) was killed by signal 9"):
             handle.generate(PROMPT, 240, policy="specter+fixed", window=3)

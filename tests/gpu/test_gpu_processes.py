@@ -8,13 +8,12 @@ memory and no device memory behind."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from process_faults import kill_transfer_after
 from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
@@ -83,17 +82,7 @@ def test_a_killed_transfer_process_on_the_gpu_leaves_nothing(prompt) -> None:
     handle = launch_processes(DEFAULT_MODEL, DRAFT, BUDGET, CUDA, policy="specter+fixed", draft_mode=MODE,
                               timeout_s=600)
     pid = handle.transfer.pid
-    assert pid is not None
-    killed = threading.Event()
-
-    def kill_inside() -> None:  # tied to the request's state (experts moving for it), not to a clock
-        start = handle.transfer.call("counters")["transfers"]
-        while handle.transfer.call("counters")["transfers"] < start + 3:
-            time.sleep(0.005)
-        os.kill(pid, signal.SIGKILL)
-        killed.set()
-
-    threading.Thread(target=kill_inside, daemon=True).start()
+    killed = kill_transfer_after(handle, poll_s=0.005)  # tied to the request's state, not to a clock
     try:
         with pytest.raises(RoleGone, match=rf"the transfer process \(pid {pid}\) was killed by signal 9"):
             handle.generate(prompt, 600, policy="specter+fixed", window=3)

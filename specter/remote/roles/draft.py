@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
+from specter.config import LinkConfig
 from specter.draft.loading import load_draft
 from specter.remote.channel import Channel
 from specter.remote.draft_server import DraftServer
-from specter.remote.roles.base import Metrics, NoMetrics
+from specter.remote.roles.base import Metrics, NoMetrics, role_device
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +26,14 @@ class DraftRole:
         timeout_s: the handshake timeout.
         metrics: where its figures go (``actors/metrics.py: Recorder`` under Ray; default none).
         mode: how a quantized draft computes its experts (``load_draft``'s; ``auto`` times the modes here).
-        device: where the draft computes (``role_device``: the replica's CUDA device, or the CPU).
+        link: the replica's link; the draft computes where the replica does (``role_device``: the CUDA
+            device for a ``cuda`` link, else the CPU).
     """
 
     def __init__(self, draft_dir: str, timeout_s: float = 60.0, mode: str = "auto", metrics: Metrics | None = None,
-                 device: str = "cpu"):
+                 link: LinkConfig | None = None):
         self.metrics: Metrics = metrics or NoMetrics()
-        self.draft = load_draft(draft_dir, device=torch.device(device), mode=mode)
+        self.draft = load_draft(draft_dir, device=role_device(link), mode=mode)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
         self.channel: Channel | None = None

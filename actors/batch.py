@@ -13,13 +13,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from actors.launcher import EngineHandle, launch
+from actors.launcher import EngineHandle, cluster_link, launch
 from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
 from specter.eval.jobs import BatchItem, Progress, ResultsFile, append_error
@@ -34,7 +34,7 @@ class BatchOptions:
     model: str
     draft: str | None
     budget: SlotConfig
-    link: LinkConfig
+    link: LinkConfig | None  # None: the cluster's (``cuda`` on a GPU cluster, ``launch.cluster_link``)
     policy: str = "demand-lru"
     window: int | None = None
     top_p: float = 1.0
@@ -84,10 +84,12 @@ def run_batch(
     on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> BatchReport:
     """Run every item not yet in ``results`` (Ray must be initialized); returns the report."""
+    link = cluster_link(options.link)
+    options = replace(options, link=link)
     report = BatchReport(skipped=sum(item.id in results.done for item in items))
     todo: deque[tuple[BatchItem, int]] = deque((item, 0) for item in items if item.id not in results.done)
     driver = Recorder("all", "driver")
-    replicas = [_Replica(f"r{i}", placement) for i, placement in enumerate(spread(options.replicas))]
+    replicas = [_Replica(f"r{i}", placement) for i, placement in enumerate(spread(options.replicas, link))]
     try:
         replicas = _start_all(replicas, options, launcher)
         while todo or any(r.busy for r in replicas):
@@ -147,21 +149,16 @@ def _overdue(replicas: list[_Replica], timeout_s: float) -> list[_Replica]:
     return [r for r in replicas if r.busy is not None and now - r.busy[3] > timeout_s]
 
 
-def spread(replicas: int) -> list[dict[str, Any]]:
-    """Where each replica goes: one trio per GPU when the cluster has GPUs (a trio claims one GPU,
-    so Ray spreads the trios over the devices), else round-robin over the alive nodes when there are
-    several (``launch``'s ``node_ip``)."""
+def spread(replicas: int, link: LinkConfig) -> list[dict[str, Any]]:
+    """Where each replica goes: on a ``cuda`` link Ray spreads them (a trio claims one whole GPU,
+    ``launch``'s ``placement``), else round-robin over the alive nodes when there are several
+    (``launch``'s ``node_ip``)."""
     nodes = sorted(
         n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")
     )
-    gpu = ray.cluster_resources().get("GPU", 0) > 0
-    placements: list[dict[str, Any]] = []
-    for i in range(replicas):
-        placement: dict[str, Any] = {"gpu": gpu}
-        if len(nodes) > 1 and not gpu:
-            placement["node_ip"] = nodes[i % len(nodes)]
-        placements.append(placement)
-    return placements
+    if link.kind == "cuda" or len(nodes) < 2:
+        return [{} for _ in range(replicas)]
+    return [{"node_ip": nodes[i % len(nodes)]} for i in range(replicas)]
 
 
 def _start(replica: _Replica, options: BatchOptions, launcher: Launcher, names_free_s: float = 120.0) -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, init_ray
-from actors.launcher import EngineHandle, launch
+from actors.launcher import EngineHandle, cluster_link, launch
 from specter.config import LinkConfig, SlotConfig
 from specter.target import load_tokenizer
 
@@ -30,7 +31,7 @@ class Client:
         model: the target checkpoint folder.
         draft: the draft folder (None: only draft-free policies such as ``demand-lru``).
         budget: the device's expert budget.
-        link: the link model.
+        link: how experts move (None: the cluster's, `cuda` where it has a GPU, else sim:1,10).
         policy: the policy the replica starts with (a request may switch it).
         address: ``"local"`` (start Ray here), ``"auto"``/``"ray://…"``/``"HOST:PORT"`` (attach),
             or None (Ray is already initialized by the caller).
@@ -38,12 +39,14 @@ class Client:
         timeout_s: the actors' peer and handshake timeouts.
         connect_timeout_s: how long attaching to a cluster may take before ``ConnectError``.
         host_profile: the profile whose host computes late experts (``launch``'s).
+        dtype: the target's compute dtype (None: fp32 on a CPU, the checkpoint's on a GPU).
     """
 
     def __init__(
         self, model: str | Path, draft: str | Path | None = None, budget: SlotConfig | None = None,
         link: LinkConfig | None = None, policy: str = "specter", address: str | None = "local", num_cpus: int = 2,
         timeout_s: float = 60.0, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, host_profile: str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self._owns_ray = False
         if not ray.is_initialized():
@@ -51,8 +54,8 @@ class Client:
             self._owns_ray = True
         self.tokenizer = load_tokenizer(Path(model))
         self.handle: EngineHandle = launch(
-            model, draft, budget or SlotConfig(fraction=0.5), link or LinkConfig(), policy, timeout_s=timeout_s,
-            host_profile=host_profile,
+            model, draft, budget or SlotConfig(fraction=0.5), cluster_link(link), policy, timeout_s=timeout_s,
+            host_profile=host_profile, dtype=dtype,
         )
 
     def generate(

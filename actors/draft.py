@@ -10,6 +10,7 @@ from __future__ import annotations
 import ray
 
 from actors.metrics import Recorder
+from specter.config import LinkConfig
 from specter.remote.roles.base import setup_process
 from specter.remote.roles.draft import DraftRole
 
@@ -18,6 +19,7 @@ from specter.remote.roles.draft import DraftRole
 class DraftActor(DraftRole):
     """``DraftRole`` with its figures in Ray's metrics (tagged ``replica``, ``actor=draft``)."""
 
-    def __init__(self, draft_dir: str, timeout_s: float = 60.0, replica: str = "", mode: str = "auto"):
+    def __init__(self, draft_dir: str, timeout_s: float = 60.0, replica: str = "", mode: str = "auto",
+                 link: LinkConfig | None = None):
         setup_process()
-        super().__init__(draft_dir, timeout_s, mode, Recorder(replica, "draft"))
+        super().__init__(draft_dir, timeout_s, mode, Recorder(replica, "draft"), link)

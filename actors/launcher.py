@@ -9,6 +9,7 @@ memory and ipc directory have no names left, so a crash anywhere leaves nothing 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,12 +28,14 @@ from actors.verifier import MAX_BATCH, VerifierActor
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import check_draft_matches
 from specter.models.checkpoint import read_config_dict
+from specter.remote.roles.base import RoleStartError
 from specter.remote.segments import unlink_prefix
 from specter.remote.wiring import seal, wire
 
 log = logging.getLogger(__name__)
 
 BUNDLE_CPUS = 0.25  # logical CPUs per actor: a few replicas fit a 2-CPU local Ray
+DEFAULT_SIM_LINK = LinkConfig(kind="sim", bandwidth=1e9, latency=10e-6)  # sim:1,10 where no GPU and no --link
 
 
 @dataclass
@@ -86,12 +90,12 @@ def launch(
     timeout_s: float = 60.0,
     cpus_per_actor: float = BUNDLE_CPUS,
     node_ip: str | None = None,
-    gpu: bool = False,
     startup_timeout_s: float = 300.0,
     sealed: bool = True,
     host_profile: str | None = None,
     draft_mode: str = "auto",
     max_batch: int = MAX_BATCH,
+    dtype: torch.dtype | None = None,
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -99,16 +103,18 @@ def launch(
         model: the target checkpoint folder (readable on the node the actors land on).
         draft: the draft folder, or None for policies without a draft (no draft actor).
         budget: the device's expert budget.
-        link: the link model (``sim`` only, so far).
+        link: how experts move: ``sim`` (the actors compute on their node's CPU) or ``cuda`` (the trio
+            claims one GPU between them, ``placement``: the transfer actor's copy stream and pinned
+            store, the slots shared by CUDA IPC, the verifier's and the draft's compute on it).
         policy: the verifier's policy.
         replica: a name for this replica (actor names are ``specter-<replica>-<role>``).
         timeout_s: handshake, transfer and draft timeouts.
         cpus_per_actor: logical CPUs of each actor's bundle.
         node_ip: pin the replica to this node (its ``node:IP`` resource); None lets Ray choose.
-        gpu: the trio claims one GPU between them (a third each), so replicas land one per device.
         startup_timeout_s: how long the actors may take to start and load the model (worker start-up
             and loading, slow on a busy machine; separate from the peer timeouts).
         max_batch: streams the verifier decodes together (``specter/batching.py``).
+        dtype: the target's compute dtype (None: fp32 on a CPU, the checkpoint's on a GPU).
         draft_mode: how the draft actor computes its experts (``load_draft``'s ``mode``; ``auto`` times
             the modes on its node).
         host_profile: the profile whose host computes late experts (``simulated_host``; None: the
@@ -118,35 +124,32 @@ def launch(
 
     Raises:
         ValueError: the draft does not match the target (checked here when both folders are
-            readable from this process, before any actor starts).
+            readable from this process, before any actor starts), or a ``cuda`` link on a cluster
+            without a GPU.
         TimeoutError: the cluster has no room for the placement group (or an actor did not start).
     """
     if draft is not None and Path(draft, "config.json").is_file() and Path(model, "config.json").is_file():
         check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
     replica = replica or secrets.token_hex(3)
     roles = ["transfer", "verifier"] + (["draft"] if draft is not None else [])
-    bundle: dict[str, float] = {"CPU": cpus_per_actor}
-    if gpu:
-        bundle["GPU"] = round(1 / len(roles), 4)
-    if node_ip is not None:
-        bundle[f"node:{node_ip}"] = 0.001
-    pg = _reserve(replica, len(roles), bundle, max(timeout_s, 10.0))
+    bundles, options = placement(roles, link, cpus_per_actor, node_ip)
+    pg = _reserve(replica, bundles, max(timeout_s, 10.0))
 
     def where(role: str) -> dict[str, Any]:
-        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=roles.index(role))
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=options[role]["bundle"])
         return {"name": f"specter-{replica}-{role}", "scheduling_strategy": strategy, "num_cpus": cpus_per_actor,
-                "num_gpus": bundle.get("GPU", 0)}
+                "num_gpus": options[role]["gpus"]}
 
     prefix = f"specter-{replica}-{secrets.token_hex(4)}"
     transfer = TransferActor.options(**where("transfer")).remote(  # type: ignore[attr-defined]
-        str(model), budget, link, prefix, timeout_s, replica
+        str(model), budget, link, prefix, timeout_s, replica, dtype=dtype
     )
     verifier = VerifierActor.options(**where("verifier")).remote(  # type: ignore[attr-defined]
-        str(model), budget, policy, timeout_s, replica, link, host_profile, "transfer", max_batch
+        str(model), budget, policy, timeout_s, replica, link, host_profile, "transfer", max_batch, dtype
     )
     draft_actor = None
     if draft is not None:
-        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica, draft_mode)  # type: ignore[attr-defined]
+        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica, draft_mode, link)  # type: ignore[attr-defined]
     handle = EngineHandle(replica, pg, transfer, verifier, draft_actor, prefix, "", policy,
                           [f"specter-{replica}-{r}" for r in roles])
     try:
@@ -154,24 +157,71 @@ def launch(
         log.info("replica %s: %d slots, actors %s", handle.replica, slots, ", ".join(handle.names))
         if sealed:
             seal(_ray_call, handle.transfer, handle.draft is not None, startup_timeout_s)
+    except ray.exceptions.ActorDiedError as exc:
+        handle.shutdown()
+        if not getattr(exc, "_actor_init_failed", False):
+            raise
+        raise RoleStartError(_start_failure(replica, roles, exc.error_msg)) from None
     except BaseException:
         handle.shutdown()
         raise
     return handle
 
 
+def _start_failure(replica: str, roles: list[str], message: str) -> str:
+    """One line out of Ray's report of an actor whose ``__init__`` raised: which actor, and the
+    exception's last line (Ray keeps only the text of the exception)."""
+    role = next((r for r in roles if f"specter-{replica}-{r}:" in message), None)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    who = f"the {role} actor" if role else "an actor"
+    return f"replica {replica}: {who} could not start: {lines[-1] if lines else message}"
+
+
 def _ray_call(actor: Any, method: str, *args: Any, timeout: float) -> Any:
     return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
 
 
-def _reserve(replica: str, count: int, bundle: dict[str, float], timeout_s: float) -> Any:
-    """A STRICT_PACK placement group of ``count`` bundles, ready (one node holds the whole trio)."""
-    pg = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=f"specter-{replica}")
+def cluster_link(link: LinkConfig | None) -> LinkConfig:
+    """``link``, or where none was chosen the cluster's (Ray must be initialized): ``cuda`` where it
+    has a GPU, else the simulated ``sim:1,10`` (``--link``'s documented default)."""
+    if link is not None:
+        return link
+    if ray.cluster_resources().get("GPU", 0) >= 1:
+        return LinkConfig(kind="cuda")
+    return DEFAULT_SIM_LINK
+
+
+def placement(
+    roles: list[str], link: LinkConfig, cpus_per_actor: float = BUNDLE_CPUS, node_ip: str | None = None,
+) -> tuple[list[dict[str, float]], dict[str, dict[str, Any]]]:
+    """The placement group's bundles and each role's ``{"bundle": index, "gpus": share}``.
+
+    On a ``sim`` link a bundle per role, no GPU. On a ``cuda`` link one bundle holding a whole GPU and
+    the trio's CPUs, each role a share of that GPU: Ray hands every actor of the bundle the bundle's
+    own device, so the three see the same GPU (CUDA IPC between the transfer actor and the verifier
+    needs it) and a replica claims one device (replicas spread one per GPU).
+
+    Raises:
+        ValueError: a ``cuda`` link on a cluster whose resources name no GPU.
+    """
+    node = {f"node:{node_ip}": 0.001} if node_ip is not None else {}
+    if link.kind != "cuda":
+        return [{"CPU": cpus_per_actor, **node} for _ in roles], {r: {"bundle": i, "gpus": 0} for i, r in enumerate(roles)}
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        raise ValueError("link: cuda puts the actors on a GPU, and this Ray cluster has none (ray status shows no "
+                         "GPU); start its nodes on GPU machines, or use --link sim:GBPS")
+    share = math.floor(1e4 / len(roles)) / 1e4  # Ray counts GPUs to 4 decimals: the shares sum to <= 1
+    return [{"CPU": cpus_per_actor * len(roles), "GPU": 1.0, **node}], {r: {"bundle": 0, "gpus": share} for r in roles}
+
+
+def _reserve(replica: str, bundles: list[dict[str, float]], timeout_s: float) -> Any:
+    """A STRICT_PACK placement group of ``bundles``, ready (one node holds the whole trio)."""
+    pg = placement_group([dict(b) for b in bundles], strategy="STRICT_PACK", name=f"specter-{replica}")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise TimeoutError(
-            f"replica {replica}: no node has room for {count} x {bundle} within {timeout_s:.0f}s"
+            f"replica {replica}: no node has room for {bundles} within {timeout_s:.0f}s"
         ) from None
     return pg

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from actors.launcher import EngineHandle, launch
+from actors.launcher import EngineHandle, cluster_link, launch
 from actors.metrics import Recorder
 from actors.verifier import MAX_BATCH
 from specter.config import LinkConfig, SlotConfig
@@ -45,7 +45,7 @@ class ServeOptions:
     draft: str | None = None
     policy: str = "demand-lru"
     budget: SlotConfig = SlotConfig(fraction=0.5)
-    link: LinkConfig = LinkConfig()
+    link: LinkConfig | None = LinkConfig()  # None: the cluster's (``cuda`` on a GPU cluster)
     served_name: str | None = None  # default: the model folder's name
     api_key: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -114,8 +114,8 @@ class SpecterServer:
         config = read_config_dict(Path(options.model))
         model = Model(options.name, tokenizer, int(config.get("max_position_embeddings", 2048)),
                       int(config["vocab_size"]))
-        self.handle = launch(options.model, options.draft, options.budget, options.link, options.policy,
-                             replica=f"serve-{os.getpid()}", timeout_s=options.timeout_s,
+        self.handle = launch(options.model, options.draft, options.budget, cluster_link(options.link),
+                             options.policy, replica=f"serve-{os.getpid()}", timeout_s=options.timeout_s,
                              host_profile=options.host_profile, max_batch=options.max_batch)
         concurrency = ray.get(self.handle.verifier.concurrency.remote())
         settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model),

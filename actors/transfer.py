@@ -8,6 +8,7 @@ runs the same role as a plain process.
 from __future__ import annotations
 
 import ray
+import torch
 
 from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
@@ -21,7 +22,7 @@ class TransferActor(TransferRole):
 
     def __init__(
         self, model_dir: str, budget: SlotConfig, link: LinkConfig, prefix: str | None = None, timeout_s: float = 60.0,
-        replica: str = "", metrics_every_s: float = 1.0,
+        replica: str = "", metrics_every_s: float = 1.0, dtype: torch.dtype | None = None,
     ):
         setup_process()
-        super().__init__(model_dir, budget, link, prefix, timeout_s, metrics_every_s, Recorder(replica, "transfer"))
+        super().__init__(model_dir, budget, link, prefix, timeout_s, metrics_every_s, Recorder(replica, "transfer"), dtype)

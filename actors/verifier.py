@@ -9,6 +9,7 @@ hands its chunks to the caller one at a time), so that concurrent streams reach 
 from __future__ import annotations
 
 import ray
+import torch
 
 from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
@@ -32,10 +33,10 @@ class VerifierActor(VerifierRole):
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = "",
                  link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer",
-                 max_batch: int = MAX_BATCH):
+                 max_batch: int = MAX_BATCH, dtype: torch.dtype | None = None):
         setup_process()
         super().__init__(model_dir, budget, policy, timeout_s, link, host_profile, schedule,
-                         Recorder(replica, "verifier"), max_batch)
+                         Recorder(replica, "verifier"), max_batch, dtype)
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:  # type: ignore[override]

@@ -39,7 +39,6 @@ def test_generate_json_matches_transformers(tiny_dir, capsys):
         (["--policy", "magic"], "--policy"),
         (["--prompt-ids", "1,x"], "--prompt-ids"),
         (["--threads", "0"], "--threads"),
-        (["--link", "cuda", "--address", "local"], "--link"),  # the Ray actors' link is simulated
         (["--link", "cuda", "--processes", "--device", "cpu"], "--link"),  # no CUDA device to put it on
     ],
 )

@@ -13,6 +13,7 @@ from specter.cli.args import build_parser
 from specter.cli.commands import _batch, _bench, _generate, _serve
 from specter.draft.quantize.cli import run_quantize
 from specter.models.checkpoint import CheckpointError
+from specter.remote.roles.base import RoleStartError
 
 __all__ = ["build_parser", "main"]
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args, parser)
         if args.command == "quantize":
             return run_quantize(args)
-    except (CheckpointError, ValueError, FileNotFoundError, TimeoutError, ConnectionError) as exc:
+    except (CheckpointError, ValueError, FileNotFoundError, TimeoutError, ConnectionError, RoleStartError) as exc:
         print(f"specter: error: {exc}", file=sys.stderr)
         return 1
     return 2

@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
     gen.add_argument("--link", type=_link, default=None,
                      help="cuda | PROFILE (e.g. mixtral-pcie4: its offload pressure on this machine) | "
-                          "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, else sim:1,10)")
+                          "sim:GBPS[,LATENCY_US] (default: cuda on a GPU, through --address a cluster with "
+                          "GPUs, else sim:1,10)")
     _add_timing(gen)
     _add_threads(gen)
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
@@ -204,7 +205,9 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
                        help="draft tokens per round K, 1..64 (specter: the cap of its per-round K)")
     batch.add_argument("--budget", type=_fraction, default=None, help="device expert slots, 0 < F <= 1 (default 0.5)")
     batch.add_argument("--per-layer", action="store_true", help="split the budget evenly per MoE layer")
-    batch.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
+    batch.add_argument("--link", type=_link, default=None,
+                       help="cuda | PROFILE | sim:GBPS[,LATENCY_US] (default: cuda on a cluster with GPUs, each "
+                            "replica one GPU, else sim:1,10)")
     batch.add_argument("--profile", type=_profile_name, default=None,
                        help="a named profile's link and host, scaled to this CPU (as --link PROFILE)")
     batch.add_argument("--max-new-tokens", type=positive_int, default=32, help="default for lines without one")
@@ -255,7 +258,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     serve.add_argument("--budget", type=_fraction, default=None,
                        help="device expert slots as a fraction of all routed experts, 0 < F <= 1 (default 0.5)")
-    serve.add_argument("--link", type=_link, default=None, help="PROFILE | sim:GBPS[,LATENCY_US] (default sim:1,10)")
+    serve.add_argument("--link", type=_link, default=None,
+                       help="cuda | PROFILE | sim:GBPS[,LATENCY_US] (default: cuda on a cluster with GPUs, else sim:1,10)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address the HTTP server listens on (default 127.0.0.1: this machine only; any "
                             "other needs an API key)")

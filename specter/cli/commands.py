@@ -43,11 +43,8 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
         parser.error("argument --rho: sets the link's bandwidth; give --rho or a sim: --link, not both")
     if rho is not None and profile is None and clock not in ("virtual", "as-built"):
         parser.error("argument --rho: needs --profile NAME (what a decode step costs)")
-    through_ray = getattr(args, "address", None) is not None
-    if through_ray and isinstance(link, LinkConfig) and link.kind == "cuda":
-        parser.error("argument --link: the Ray actors move experts over a simulated link only so far "
-                     "(sim:GBPS or a profile); cuda runs in process or with --processes")
-    if isinstance(link, LinkConfig) and link.kind == "cuda" and not cuda:
+    through_ray = getattr(args, "address", None) is not None  # the cluster's GPUs count, checked as it launches
+    if isinstance(link, LinkConfig) and link.kind == "cuda" and not cuda and not through_ray:
         parser.error("argument --link: cuda needs a CUDA device (torch sees none, or --device cpu)")
     if cuda and clock == "wall" and profile is None and link is None and not through_ray:
         return Timing("wall", LinkConfig(kind="cuda"))
@@ -224,14 +221,16 @@ def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore
 
 
 def _through_actors(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
-    """The three Ray actors (a local Ray, or a running cluster)."""
-    link = timing.link
+    """The three Ray actors (a local Ray, or a running cluster; with neither --link nor a profile, the
+    cluster's link: ``cuda`` where it has a GPU)."""
     from actors.client import Client
 
+    link = None if args.link is None and timing.profile is None else timing.link
     vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
     address = None if args.address == "none" else args.address
+    dtype = DTYPES[args.dtype] if args.dtype else None
     with Client(args.model, args.draft, budget, link, args.policy, address=address,
-                connect_timeout_s=args.connect_timeout, host_profile=timing.profile) as client:
+                connect_timeout_s=args.connect_timeout, host_profile=timing.profile, dtype=dtype) as client:
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
@@ -331,13 +330,13 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             template = Path(args.chat_template).read_text()
         except OSError as exc:
             parser.error(f"argument --chat-template: cannot read {args.chat_template}: {exc.strerror}")
-    link = args.link if isinstance(args.link, LinkConfig) else None
+    link = args.link if isinstance(args.link, LinkConfig) else None  # None: the cluster's (cuda on a GPU)
     profile = args.link if isinstance(args.link, str) else None
     if profile is not None:
         link = resolve_timing(str(model), "wall", profile, None, None).link
     options = ServeOptions(
         str(model), None if args.draft is None else str(resolve_model_dir(args.draft)), args.policy,
-        args.budget or SlotConfig(fraction=0.5), link or LinkConfig(), args.served_model_name, api_key,
+        args.budget or SlotConfig(fraction=0.5), link, args.served_model_name, api_key,
         args.max_queue, args.max_body, template, args.timeout, profile, args.max_batch,
     )
     init_ray(args.address, args.num_cpus, args.connect_timeout)
@@ -381,7 +380,8 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         results.close()
         return 1 if bad and args.on_bad_line == "stop" else 0
     timing = _timing(args, parser)  # the actors' wall clock; a profile's link comes with its host
-    link, host_profile = timing.link, timing.profile
+    host_profile = timing.profile
+    link = None if args.link is None and host_profile is None else timing.link  # None: the cluster's (cuda on a GPU)
     budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
     if tokenizer is None:

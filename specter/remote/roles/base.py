@@ -19,6 +19,11 @@ import torch
 from specter.config import LinkConfig
 
 
+class RoleStartError(RuntimeError):
+    """A role could not be built where it runs (a Ray actor's ``__init__`` raised: Ray returns only
+    its text, which this carries in one line)."""
+
+
 def role_device(link: LinkConfig | None) -> torch.device:
     """Where a replica computes: the current CUDA device for a ``cuda`` link, else the CPU.
 

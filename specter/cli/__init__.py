@@ -10,7 +10,8 @@ import logging
 import sys
 
 from specter.cli.args import build_parser
-from specter.cli.commands import _batch, _bench, _generate, _serve
+from specter.cli.bench import run_bench
+from specter.cli.commands import _batch, _generate, _serve
 from specter.draft.quantize.cli import run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.remote.roles.base import RoleStartError
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "batch":
             return _batch(args, parser)
         if args.command == "bench":
-            return _bench(args, parser)
+            return run_bench(args, parser)
         if args.command == "serve":
             return _serve(args, parser)
         if args.command == "quantize":

@@ -1,5 +1,5 @@
-"""What each command does once its flags are parsed: ``generate`` (in process or through the
-actors), ``batch`` and ``bench``.
+"""What each command does once its flags are parsed: ``generate`` (in process, through the
+processes or through the actors), ``batch`` and ``serve`` (``bench``: ``specter/cli/bench.py``).
 
 transformers, ray, the engine, the target, the benchmark and the actors are imported inside the
 commands that use them (each 0.5-7 s to import here): `specter --help` costs torch's import only.
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-from specter.cli.args import DEFAULT_BENCH_PROFILES, DTYPES
+from specter.cli.args import DTYPES
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
-from specter.plan import POLICIES, drafts, policy_class
+from specter.plan import drafts, policy_class
 from specter.timing.costs import Timing, resolve_timing
-from specter.timing.profiles import PROFILES
 
 
 def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool = False):  # type: ignore[no-untyped-def]
@@ -54,63 +53,6 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
     return timing
 
 
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specter.eval import bench
-    from specter.eval.prompts import load_prompts
-
-    if args.concurrency is not None:
-        return _bench_concurrency(args, parser)
-
-    profiles = [p for p in args.profiles.split(",") if p]
-    unknown = [p for p in profiles if p not in PROFILES]
-    if unknown:
-        parser.error(f"argument --profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
-    policies = [p for p in args.policies.split(",") if p]
-    for name in policies:
-        try:
-            policy_class(name)
-        except ValueError as exc:
-            parser.error(f"argument --policies: {str(exc).removeprefix('policy: ')}")
-    windows: dict[str, int] = {}
-    for item in args.window:
-        name, _, k = item.partition("=")
-        if name.split("+")[0] not in POLICIES or not k.isdigit() or not 0 < int(k) <= 64:
-            parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
-        windows[name] = int(k)
-    count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
-    if args.actors and args.clock != "wall":
-        parser.error("argument --actors: the actors column runs on the wall clock; add --clock wall")
-    sampling = _sampling(args, parser)
-    loaded = load_prompts(args.model, args.prompts, count + 2)  # the K scan's two come after the benchmark's
-    prompts, scan = loaded[:count], loaded[count:]
-    draft = args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq"))
-    budget = args.budget.fraction if args.budget is not None else None
-    config = bench.BenchConfig(args.model, draft, prompts, profiles, policies, windows, budget,
-                               args.per_layer, tokens)
-    if args.quick:
-        config.k_candidates = (4, 8)
-    config.actors, config.actors_policy = args.actors, args.actors_policy
-    config.actors_schedules = tuple(args.actors_schedule.split(","))
-    config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
-    config.draft_mode = args.draft_mode
-    if args.step_s is not None:
-        if not args.step_s > 0:
-            parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
-        config.step_s = args.step_s
-    if args.clock in ("virtual", "as-built") and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # virtual figures do not depend on threads; one keeps parallel runs from thrashing
-    else:
-        torch.set_num_threads(compute_threads(args.threads))
-    results = bench.run(config)
-    print(bench.table(results))
-    print()
-    for claim, ok, numbers in bench.bar(results):
-        print(f"{'PASS' if ok else 'FAIL'}  {claim}: {numbers}")
-    for path in bench.save(results, Path(args.out)):
-        print(f"wrote {path}")
-    return 0
-
-
 def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     needs_draft = drafts(args.policy)
     default = policy_class(args.policy).default_window
@@ -126,7 +68,7 @@ def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return window
 
 
-def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingConfig:
+def sampling_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingConfig:
     try:
         return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=getattr(args, "top_k", 0),
                               seed=getattr(args, "seed", 0))
@@ -136,7 +78,7 @@ def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Samp
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    sampling = _sampling(args, parser)
+    sampling = sampling_config(args, parser)
     window = _window(args, parser)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: must not be empty")
@@ -257,56 +199,6 @@ def _through_processes(args, parser, timing, budget, window, sampling):  # type:
     return out["tokens"], text, out["stats"]
 
 
-def _bench_concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``specter bench --concurrency 1,2,4,8``: throughput and latency against concurrent requests."""
-    from specter.eval import concurrency
-    from specter.eval.prompts import load_prompts
-
-    try:
-        counts = [int(n) for n in args.concurrency.split(",") if n]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 1 or n > 64 for n in counts):
-        parser.error(f"argument --concurrency: expected comma-separated counts in 1..64, got {args.concurrency!r}")
-    policies = [p for p in args.policies.split(",") if p]
-    if args.policies == ",".join(POLICIES):  # not given: the baselines and specter
-        policies = ["demand-lru", "demand-host", "specter-paper", "specter"]
-    windows: dict[str, int] = {}
-    for item in args.window:
-        name, _, k = item.partition("=")
-        if not k.isdigit() or not 0 < int(k) <= 64:
-            parser.error(f"argument --window: expected POLICY=K with K in 1..64, got {item!r}")
-        windows[name] = int(k)
-    profiles = [p for p in args.profiles.split(",") if p]
-    if args.profiles == DEFAULT_BENCH_PROFILES:
-        profiles = ["mixtral-pcie4", "qwen2moe-pcie4"]
-    if args.clock not in ("virtual", "as-built", "wall"):
-        parser.error(f"argument --clock: --concurrency runs on the virtual, as-built or wall clock, not {args.clock}")
-    count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
-    config = concurrency.ConcurrencyConfig(
-        args.model, load_prompts(args.model, args.prompts, count), profiles, policies, sorted(set(counts)), tokens,
-        clock=args.clock, budget=args.budget.fraction if args.budget is not None else None,
-        sampling=_sampling(args, parser), prefill_chunk=args.prefill_chunk,
-        draft=args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq")), windows=windows)
-    try:
-        concurrency.check(config)
-    except ValueError as exc:
-        parser.error(f"argument {exc}")
-    if args.clock in ("virtual", "as-built") and args.threads is None and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    else:
-        torch.set_num_threads(compute_threads(args.threads))
-    results = concurrency.run(config)
-    print(concurrency.table(results))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "concurrency.json").write_text(json.dumps(results, indent=1))
-    (out / "concurrency.md").write_text(concurrency.table(results) + "\n")
-    concurrency.plot(results, out / "concurrency.png")
-    print(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}, {out / 'concurrency.png'}")
-    return 0
-
-
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``specter serve``: check the flags and the folders, attach to or start Ray, serve until Ctrl-C."""
     import ray
@@ -358,7 +250,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from specter.target import load_tokenizer
 
-    sampling = _sampling(args, parser)
+    sampling = sampling_config(args, parser)
     window = _window(args, parser)
     if args.request_timeout <= 0 or args.timeout <= 0:
         parser.error("argument --request-timeout/--timeout: must be > 0 seconds")

@@ -27,7 +27,9 @@ differing per repeat), with medians over ``--repeats``:
 
 Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / K per speculative
 round (and the share of rounds ``specter``'s K chooser made plain),
-hit rate, link busy share, host reads per MoE layer per token. Per shape also the draft's one-token
+hit rate, link busy share, host reads per MoE layer per token; under the table, per speculative row,
+its rounds by K, the rounds drafted ahead that stood and what ``specter``'s K chooser had learnt (α,
+the draft's seconds per forward and per round, the K it estimated best). Per shape also the draft's one-token
 step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run eagerly), against
 the engine's resident step. Writes ``gpu_bench.json`` and
 ``gpu_bench.md`` under ``--out``. On a CPU (``--smoke``: shrunk shapes, 1 layer, a few tokens, a
@@ -293,7 +295,8 @@ class Runner:
                 "accepted": stats.extra.get("mean_accepted", 0.0), "window": window,
                 "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                 "link_busy": stats.link_busy_fraction,
-                "reads_per_layer_token": stats.extra["host_reads"] / max(1, (len(tokens) - 1) * layers)}
+                "reads_per_layer_token": stats.extra["host_reads"] / max(1, (len(tokens) - 1) * layers),
+                **_rounds(stats.extra)}
 
     def _through_processes(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
         """One request through the three processes (launched at the first call, at its budget)."""
@@ -317,7 +320,8 @@ class Runner:
                "window": stats.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0,
                "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                "link_busy": stats["link_busy_fraction"],
-               "reads_per_layer_token": stats["host_reads"] / max(1, (len(tokens) - 1) * self.moe_layers)}
+               "reads_per_layer_token": stats["host_reads"] / max(1, (len(tokens) - 1) * self.moe_layers),
+               **_rounds(stats)}
         outstanding = after.get("demand_outstanding_s", 0.0) - before.get("demand_outstanding_s", 0.0)
         if policy == "demand-lru" and outstanding > 0:  # every copy a demand: busy over outstanding is the share
             row["busy_while_demanded"] = (after["busy_s"] - before["busy_s"]) / outstanding
@@ -355,10 +359,28 @@ class Runner:
             self.processes.shutdown()
 
 
+def _rounds(stats: dict[str, Any]) -> dict[str, Any]:
+    """How a speculative run's rounds went, beyond the medians: the K of each round counted, the
+    rounds drafted ahead that stood, and what ``specter``'s K chooser had learnt by the end (α, the
+    draft's seconds per forward and per round, each K's estimated seconds per token): on silicon,
+    why it chose the K it did."""
+    out: dict[str, Any] = {}
+    if stats.get("window_hist"):
+        out["window_hist"] = stats["window_hist"]
+    if stats.get("pipelined"):
+        out["ahead"] = {k: stats.get(f"ahead_{k}", 0) for k in ("asked", "kept", "dropped")}
+    if stats.get("chooser"):
+        out["chooser"] = stats["chooser"]
+    return out
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the repeats (TPOT, acceptance, hit rate, busy share, reads)."""
-    keys = [k for k in rows[0] if k != "tokens" and all(k in r for r in rows)]
-    return {k: round(statistics.median(r[k] for r in rows), 4) for k in keys}
+    """Medians over the repeats (TPOT, acceptance, hit rate, busy share, reads); the rounds' record
+    (``_rounds``) of the last repeat."""
+    keys = [k for k in rows[0] if k != "tokens" and all(isinstance(r.get(k), int | float) for r in rows)]
+    summary: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows), 4) for k in keys}
+    summary.update({k: rows[-1][k] for k in ("window_hist", "ahead", "chooser") if k in rows[-1]})
+    return summary
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -380,12 +402,34 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {row['tpot_ms']:.2f} | {ratio} | {accepted} | {row.get('hit_rate', 1.0):.2f} "
                          f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} "
                          f"| {_figure(row, 'vs_in_process', '{:.2f}x')} | {_figure(row, 'busy_while_demanded', '{:.0%}')} |")
+        lines += _chooser_lines(block["summary"])
         steps = block.get("draft_step", {})
         if steps:
             lines.append("Draft step (one token, ms; ratio to the engine's resident step): " + ", ".join(
                 f"{mode} {row['ms']:.3f} ({row['vs_target_step']}x)" for mode, row in steps.items()))
         lines.append("")
     return "\n".join(lines)
+
+
+def _chooser_lines(summary: dict[str, Any]) -> list[str]:
+    """Per speculative row (last repeat): the K its rounds drafted, the rounds drafted ahead that
+    stood, and for an adaptive one what its chooser had learnt."""
+    lines = []
+    for name, row in summary.items():
+        if not any(int(k) > 0 for k in row.get("window_hist", {})):  # plain decoding: nothing to tell
+            continue
+        text = f"* {name}: rounds by K " + ", ".join(f"{k}: {n}" for k, n in row["window_hist"].items())
+        if "ahead" in row:
+            text += f"; drafted ahead {row['ahead']['kept']}/{row['ahead']['asked']} stood"
+        chooser = row.get("chooser")
+        if chooser and chooser.get("per_token_s"):
+            best = min(chooser["per_token_s"].items(), key=lambda kv: kv[1])
+            draft = "not measured" if chooser["draft_s"] is None else (
+                f"{1e3 * chooser['draft_s']:.2f} ms a forward + {1e3 * chooser['round_s']:.2f} ms a round")
+            text += (f"; chooser: alpha {chooser['alpha']:.2f}, draft {draft}, best K {best[0]} at "
+                     f"{1e3 * best[1]:.2f} ms/token, plain {1e3 * chooser['per_token_s'].get('0', float('nan')):.2f}")
+        lines.append(text)
+    return ([""] + lines + [""] if lines else [])
 
 
 def _figure(row: dict[str, Any], key: str, form: str) -> str:

@@ -174,6 +174,7 @@ class Engine:
         chooser = self.policy.window_chooser() if self.proposer is not None else None
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
             stats.extra["chooser_rounds"] = sum(chooser.samples.values())
+            stats.extra["chooser"] = chooser.summary()  # what it had learnt as the request ended
         if self.pipelined:
             proposer = self.proposer
             stats.extra["pipelined"] = True

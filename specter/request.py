@@ -112,6 +112,7 @@ def request_stats(
             "mean_accepted": sum(tally.accepted) / len(tally.accepted) if tally.accepted else 0.0,
             "mean_window": sum(tally.windows) / len(tally.windows) if tally.windows else 0.0,
             "plain_rounds": tally.windows.count(0),
+            "window_hist": {str(k): tally.windows.count(k) for k in sorted(set(tally.windows))},
             "recall": tally.predicted_used / tally.used if tally.used else 0.0,
             "precision": tally.predicted_used / tally.predicted if tally.predicted else 0.0,
             "draft_s": tally.draft_s,

@@ -43,6 +43,12 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
             assert block["summary"][name]["vs_demand_lru"] > 0
             if not name.startswith("demand-lru"):
                 assert block["summary"][name]["window"] > 0  # acceptance is reported beside the figure
+                hist = block["summary"][name]["window_hist"]  # and the K of each round
+                assert hist == block["runs"][name][-1]["window_hist"] and any(int(k) > 0 for k in hist)
+        adaptive = block["summary"]["specter@0.25"]  # what the K chooser had learnt: why it chose its K
+        assert set(adaptive["chooser"]) >= {"alpha", "draft_s", "round_s", "per_token_s", "samples"}
+        assert "ahead" in adaptive and "chooser" not in block["summary"]["specter-paper@0.25"]
+        assert "* specter@0.25: rounds by K" in markdown
         assert f"## {shape}" in markdown
 
 

@@ -65,6 +65,19 @@ def test_a_rounds_fixed_drafting_cost_is_told_from_the_per_forward_cost():
     assert chooser.estimate(0) == pytest.approx(1.0)  # a plain step drafts nothing, fixed part included
 
 
+def test_the_summary_reports_what_the_choice_is_made_from():
+    chooser = WindowChooser()
+    assert chooser.summary()["per_token_s"] == {} and chooser.summary()["draft_s"] is None
+    chooser.record(0, 0.0, 1.0, 0)
+    for k in (4, 4, 8, 16, 4, 12, 24, 8):
+        chooser.record(k, 3.0 + 0.5 * k, 2.0, k)
+    summary = chooser.summary()
+    assert summary["alpha"] == chooser.alpha and summary["draft_s"] == pytest.approx(0.5)
+    assert summary["round_s"] == pytest.approx(3.0) and summary["level"] == chooser.level
+    assert summary["per_token_s"] == {str(k): chooser.estimate(k) for k in CANDIDATES}
+    assert summary["samples"] == {"4": 2, "8": 2, "12": 1, "16": 1, "24": 1}  # settled rounds only
+
+
 def test_one_window_so_far_puts_the_drafting_time_per_forward():
     chooser = WindowChooser()
     chooser.record(0, 0.0, 1.0, 0)

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 START = 4  # the first drafting round's K (the first round of all is a plain step, K = 0)
@@ -142,6 +143,16 @@ class WindowChooser:
             arm = min(options, key=lambda c: (self.score(c), c))
         self.arm, self.last = arm, max(arm, 0)
         return self.last
+
+    def summary(self) -> dict[str, Any]:
+        """What it has learnt, for a run's record (why it chose the K it did): α, the draft's seconds
+        per forward (d) and per round (c), the verify level, each K's estimated seconds per committed
+        token (plain arms and candidates, once a pass was measured) and its settled samples."""
+        keys = sorted(set(CANDIDATES) | set(self.verify_s)) if self.verify_s else []
+        estimates = {k: self.estimate(k) for k in keys}
+        return {"alpha": self.alpha, "draft_s": self.draft_s, "round_s": self.round_s, "level": self.level,
+                "per_token_s": {str(k): v for k, v in estimates.items() if v is not None},
+                "samples": {str(k): n for k, n in sorted(self.samples.items())}}
 
     @property
     def caching(self) -> bool:

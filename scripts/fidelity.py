@@ -30,15 +30,17 @@ import torch
 
 from specter.eval.fidelity import (
     WINDOWS,
-    awq_verdict,
     logit_error_on_text,
-    markdown_table,
     measure_acceptance,
     measure_teacher_forced,
     merge,
+    target_pass,
+)
+from specter.eval.fidelity_report import (
+    awq_verdict,
+    markdown_table,
     paired_bootstrap,
     row_measures,
-    target_pass,
     verdict_line,
 )
 from specter.models.greedy import greedy_continuation
@@ -324,7 +326,7 @@ def error_table(result: dict[str, Any]) -> str:
 
 def delta_table(verdict: dict[str, Any], names: tuple[str, str] = ("AWQ", "RTN")) -> str:
     """AWQ − RTN (or ``names``' difference) per measure with its paired-bootstrap 95 % interval over prompts."""
-    from specter.eval.fidelity import header
+    from specter.eval.fidelity_report import header
 
     if not verdict.get("delta_awq_minus_rtn"):
         return "(no AWQ − RTN differences: needs both methods)"

@@ -7,7 +7,8 @@ it, sent from the draft's side while the draft's serving thread is paused) in ``
 requests, generating after each burst. Prints what was sent by category, what each actor counted
 (frames read, dropped per reason, refused per reason, accepted), whether the output stayed
 token-identical, and the wall time. Exit status 1 if the output changed, a frame went uncounted or
-an actor stopped serving. The frames and the rules are in ``specter/remote/fuzz.py`` (docs/security.md).
+an actor stopped serving. The frames and the rules are in ``specter/remote/fuzz.py``, the drive through
+the actors in ``specter/remote/fuzz_replica.py`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main() -> int:
     from actors.cluster import start_local
     from actors.launcher import launch
     from specter.config import LinkConfig, SlotConfig
-    from specter.remote.fuzz import fuzz_engine
+    from specter.remote.fuzz_replica import fuzz_engine
 
     start_local(2, log_to_driver=False)
     try:

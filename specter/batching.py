@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
+from specter.batch_draft import BatchDrafter, LocalDrafter
 from specter.config import SamplingConfig
 from specter.plan import drafts
 from specter.plan.window import WindowChooser
-from specter.proposer import BatchDrafter, LocalDrafter
 from specter.request import check_request, link_state
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache

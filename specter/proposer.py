@@ -3,14 +3,15 @@
 The engine asks a ``Proposer`` for K tokens per round. ``LocalProposer`` runs a draft model here
 (the in-process engine); ``specter.remote.proposer.RemoteProposer`` asks the draft actor over
 ZeroMQ. Both hand each draft step's routing to ``on_plan`` the moment the step finishes, so that
-transfers start while the draft is still drafting.
+transfers start while the draft is still drafting. ``IdleProposer`` drafts the next round in the
+verify pass's waits. Several requests' drafting batched together: ``specter/batch_draft.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -92,8 +93,8 @@ class LocalProposer:
     Args:
         draft: the draft model.
         clock: the run's clock; a virtual one is charged each draft forward (``specter/timing/costs.py``).
-        batched: one of several proposers over the same draft whose forwards ``propose_together``
-            batches (its cache is one of several, never a graphed step's single static one).
+        batched: one of several proposers over the same draft whose forwards
+            ``specter.batch_draft.propose_together`` batches (its cache is one of several, never a graphed step's single static one).
     """
 
     def __init__(self, draft: Draft, clock: WallClock | None = None, batched: bool = False):
@@ -204,107 +205,6 @@ class LocalProposer:
         the generator at ``gen_state`` (the round's draws undone)."""
         self.rollback(cached)
         self.gen.set_state(gen_state)
-
-
-def propose_together(
-    round_id: int, proposers: list[LocalProposer], seqs: list[list[int]], ks: list[int], on_plan: OnPlan,
-    route_last: bool,
-) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Each proposer's ``ks[i]`` draft tokens after ``seqs[i]`` (what its ``propose`` returns), their
-    draft forwards batched (``draft_together``, each feeding what its own cache lacks)."""
-    return draft_together(round_id, proposers, [seq[p.cached:] for p, seq in zip(proposers, seqs, strict=True)],
-                          ks, on_plan, route_last)
-
-
-def draft_together(
-    round_id: int, proposers: list[LocalProposer], feeds: list[list[int]], ks: list[int], on_plan: OnPlan,
-    route_last: bool,
-) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Each proposer's ``ks[i]`` draft tokens after feeding ``feeds[i]`` (the tokens its cache lacks;
-    what its ``extend`` returns), the draft forwards batched: step j is one forward over every proposer
-    still drafting (``DraftModel.forward_batch``). Each proposer's routing goes to ``on_plan`` as its
-    step finishes, its own positions' rows, so the policy sees what every request will need; the
-    clock is charged one forward per step. Proposers made without ``batched`` (a draft that cannot
-    batch) draft one after another."""
-    out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in proposers]
-    if not all(p.batched for p in proposers) or sum(k > 0 for k in ks) < 2:
-        return [p.extend(round_id, feed, k, on_plan, route_last) if k > 0 else ([], [])
-                for p, feed, k in zip(proposers, feeds, ks, strict=True)]
-    draft: Any = proposers[0].draft
-    pending = {i: feeds[i] for i in range(len(proposers)) if ks[i] > 0}
-    while pending:
-        order = sorted(pending)
-        feeds = [pending[i] for i in order]
-        logits = draft.forward_batch(feeds, [proposers[i].cache for i in order])
-        proposers[0].clock.charge_draft(draft.last_routing, sum(map(len, feeds)),
-                                        sum(proposers[i].cached for i in order))
-        start = 0
-        for n, i in enumerate(order):
-            proposer, rows = proposers[i], len(feeds[n])
-            routing = {layer: (ids[start:start + rows], probs[start:start + rows])
-                       for layer, (ids, probs) in draft.last_routing.items()}
-            start += rows
-            proposer.cached += rows
-            proposer.last_logits = logits[n][0, -1]
-            drafted, qs = out[i]
-            on_plan(plan_delta(round_id, len(drafted), routing))
-            if len(drafted) == ks[i]:  # the forward that routed its last draft token
-                del pending[i]
-                continue
-            token = (draft.last_tokens[n] if proposer.sampling.greedy
-                     else proposer._choose(logits[n][0, -1], qs))
-            drafted.append(token)
-            if len(drafted) == ks[i] and not route_last:
-                del pending[i]
-            else:
-                pending[i] = [token]
-    return out
-
-
-class BatchDrafter(Protocol):
-    """Drafts for the batcher's requests (``specter/batching.py``): a draft here (``LocalDrafter``) or
-    the draft process (``specter.remote.proposer.RemoteDrafter``). ``start`` gives a request's handle
-    (its ``cached`` positions, its ``rollback``), ``propose`` drafts a round for several together."""
-
-    def start(self, prompt_ids: list[int], sampling: SamplingConfig) -> Any:
-        """A request joins: its draft cache over the prompt; returns its handle."""
-
-    def begin_round(self, round_id: int) -> None:
-        """Batched round ``round_id`` starts (before the policy hears of it)."""
-
-    def propose(
-        self, round_id: int, handles: list[Any], seqs: list[list[int]], ks: list[int], on_plan: OnPlan,
-        route_last: bool,
-    ) -> list[tuple[list[int], list[torch.Tensor]]]:
-        """Each request's ``ks[i]`` draft tokens after ``seqs[i]``, drafted together."""
-
-    def end(self, handle: Any) -> None:
-        """A request left: drop its draft cache (never raises)."""
-
-
-class LocalDrafter:
-    """``BatchDrafter`` over a draft model in this process: a ``LocalProposer`` per request, each with
-    its own cache and generator, the draft's weights shared."""
-
-    def __init__(self, draft: Draft, clock: WallClock | None = None):
-        self.draft, self.clock = draft, clock
-
-    def start(self, prompt_ids: list[int], sampling: SamplingConfig) -> LocalProposer:
-        proposer = LocalProposer(self.draft, self.clock, batched=True)
-        proposer.prefill(prompt_ids, sampling)  # the draft is resident: one pass
-        return proposer
-
-    def begin_round(self, round_id: int) -> None:
-        """Nothing: the round ids are the batcher's own."""
-
-    def propose(
-        self, round_id: int, handles: list[LocalProposer], seqs: list[list[int]], ks: list[int], on_plan: OnPlan,
-        route_last: bool,
-    ) -> list[tuple[list[int], list[torch.Tensor]]]:
-        return propose_together(round_id, handles, seqs, ks, on_plan, route_last)
-
-    def end(self, handle: LocalProposer) -> None:
-        handle.cache = None
 
 
 @dataclass

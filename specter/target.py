@@ -12,8 +12,9 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.executor import OffloadedExperts
-from specter.experts.link import CudaLink, Link, SimulatedLink, VirtualLink
+from specter.experts.link import CudaLink, Link, SimulatedLink
 from specter.experts.slots import SlotPool
+from specter.experts.virtual_link import VirtualLink
 from specter.memory import MemoryPlan, plan_memory
 from specter.models.decode import LEAN_FAMILIES, LeanStep
 from specter.models.graphed import GraphedStep, StaticKV, resolve_step

@@ -16,7 +16,8 @@ from specter.cli import main
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
-from specter.experts.link import DEMAND, PREFETCH, LinkError, VirtualLink
+from specter.experts.link import DEMAND, PREFETCH, LinkError
+from specter.experts.virtual_link import VirtualLink
 from specter.plan import POLICIES, drafts
 from specter.target import OffloadedTarget
 from specter.timing.clock import VirtualClock, make_clock

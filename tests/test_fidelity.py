@@ -15,14 +15,13 @@ from transformers import AutoModelForCausalLM
 from specter.draft.resident import ResidentDraft
 from specter.eval.fidelity import (
     FidelityTally,
-    awq_verdict,
     measure_teacher_forced,
     merge,
-    row_measures,
     set_equal,
     target_pass,
     window_recall,
 )
+from specter.eval.fidelity_report import awq_verdict, row_measures
 from specter.models.greedy import greedy_continuation
 from specter.models.routing import RoutingRecorder
 

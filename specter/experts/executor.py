@@ -27,9 +27,10 @@ from specter.bound import LayerUse, Trace
 from specter.config import HostConfig
 from specter.experts.grouped import LayerRoutes, PairOutputs, resident_experts
 from specter.experts.host import HostCompute
-from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer, VirtualLink
+from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer
 from specter.experts.slots import ChooseVictim, Key, SlotPool
 from specter.experts.store import ExpertShape, ExpertStore
+from specter.experts.virtual_link import VirtualLink
 from specter.plan.base import Policy
 from specter.stats import OffloadCounters
 from specter.timing.clock import WallClock

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specter.batch_draft import draft_together
 from specter.config import SamplingConfig
-from specter.proposer import Draft, LocalProposer, draft_together
+from specter.proposer import Draft, LocalProposer
 from specter.protocol import (
     AheadKeep,
     AheadStart,

@@ -262,7 +262,7 @@ class RemoteDraftRequest:
 
 
 class RemoteDrafter:
-    """The batcher's drafter (``specter.proposer.BatchDrafter``) over the draft process.
+    """The batcher's drafter (``specter.batch_draft.BatchDrafter``) over the draft process.
 
     Args:
         proposer: the verifier's ``RemoteProposer`` (its channel, and its wire ids, which the

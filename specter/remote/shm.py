@@ -3,22 +3,15 @@
 ``SharedSlots.create`` (transfer side) makes the storage, a ``(num_slots, numel)`` tensor, and a
 readiness table; ``SharedSlots.attach(handle)`` (verifier side) maps the same memory. On a CPU
 both live in POSIX shared memory (``/dev/shm/<prefix>-data``, ``/dev/shm/<prefix>-table``). On
-CUDA the storage is a device tensor shared through torch's CUDA IPC and each slot has two
-interprocess events: the *copy* event (recorded by the writer on its copy stream after a copy into
-the slot, waited on by the reader's compute stream before it reads the slot) and the *reader* event
-(recorded by the reader on its compute stream as it unpins the slot, waited on by the writer's copy
-stream before it overwrites the slot). Neither side syncs the host for the other. The table stays in
-host shared memory. **The CUDA branch is not run on the CPU machines this was written on** (its
-calls' order is tested there with stand-ins, ``tests/actors/test_remote_link.py``); it runs on a
-lent GPU (``tests/gpu/test_gpu_processes.py``).
+CUDA the storage is a device tensor shared through torch's CUDA IPC, with two interprocess events
+per slot (``specter/remote/cuda_slots.py``); the table stays in host shared memory.
 
 Readiness is a seqlock per slot (docs/wire.md): the writer makes the slot's sequence number odd,
 writes the blob, the owner key and when the blob counts as landed (its *due* time: a simulated
 link's landing, ``time.perf_counter`` seconds), then makes it even; a reader reads the number, the
 key, and the number again, and trusts the key only if both reads agree and are even, and the blob
-only from its due time on. A reader *pins* a slot
-while it computes with it; the writer does not start writing a pinned slot (Dekker-style: each
-side stores, fences, then loads the other side's word).
+only from its due time on. A reader *pins* a slot while it computes with it; the writer does not
+start writing a pinned slot (Dekker-style: each side stores, fences, then loads the other side's word).
 """
 
 from __future__ import annotations
@@ -57,8 +50,6 @@ EMPTY = -1  # LAYER/EXPERT of a slot that holds nothing
 SPIN_S = 50e-6  # wait_ready spins this long before it starts to sleep
 MAX_SLEEP_S = 1e-3
 PINNED_RETRY_S = 1e-4  # a writer waiting for a reader to unpin a slot looks again this soon
-
-
 
 
 class SlotTimeout(SharedSlotsError, TimeoutError):
@@ -115,7 +106,7 @@ class SharedSlots:
     ):
         self.handle, self.owner = handle, owner
         self.num_slots, self.numel = handle.num_slots, handle.numel
-        self.dtype = _dtype(handle.dtype)
+        self.dtype = dtype_named(handle.dtype)
         self._table_shm, self._data_shm = table, data
         self.table = np.ndarray(
             (handle.num_slots, ROW_WORDS), dtype="<i8", buffer=table.buf, offset=8 * HEADER_WORDS
@@ -157,7 +148,9 @@ class SharedSlots:
             )
             _write_header(table, num_slots, numel, dtype.itemsize)
             if on_cuda:
-                return _CudaSlots.create_cuda(handle, table, torch.device(device))
+                from specter.remote.cuda_slots import CudaSlots
+
+                return CudaSlots.create_cuda(handle, table, torch.device(device))
             return cls(handle, table, data, owner=True)
         except BaseException:
             for shm in (data, table):
@@ -175,7 +168,9 @@ class SharedSlots:
         table = attach_shared(handle.table_name)
         _check_header(table, handle)
         if handle.cuda is not None:
-            return _CudaSlots(handle, table, None, owner=False)
+            from specter.remote.cuda_slots import CudaSlots
+
+            return CudaSlots(handle, table, None, owner=False)
         return cls(handle, table, attach_shared(handle.data_name), owner=False)
 
     def _map_storage(self) -> torch.Tensor:
@@ -224,7 +219,7 @@ class SharedSlots:
         return self.publish(slot, key)
 
     def _record(self, slot: int, stream: Any) -> None:
-        """CPU: nothing (the copy is done). CUDA: see ``_CudaSlots``."""
+        """CPU: nothing (the copy is done). CUDA: see ``CudaSlots`` (``specter/remote/cuda_slots.py``)."""
 
     def wait_reader(self, slot: int, stream: Any) -> None:
         """Order a copy into ``slot`` on ``stream`` after the kernels of the slot's last reader (call
@@ -360,74 +355,11 @@ class SharedSlots:
             self.unlink()
 
 
-class _CudaSlots(SharedSlots):
-    """Storage on a CUDA device, shared by CUDA IPC; two interprocess events per slot.
-
-    Written against torch's ``reduce_tensor`` / ``rebuild_cuda_tensor`` and
-    ``torch.cuda.Event(interprocess=True)``; run on a lent GPU only. The writer makes its copy stream
-    wait on a slot's reader event before the copy, and records the slot's copy event on it after the
-    copy, before it publishes the sequence number; the reader's stream waits on the copy event once it
-    has seen the key (``wait_copy``), and records the reader event as it unpins (``release``).
-    """
-
-    @classmethod
-    def create_cuda(cls, handle: SlotsHandle, table: SharedMemory, device: torch.device) -> _CudaSlots:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        dtype = _dtype(handle.dtype)
-        storage = torch.zeros(handle.num_slots, handle.numel, dtype=dtype, device=device)
-        events, readers = _interprocess_events(handle.num_slots, device), _interprocess_events(handle.num_slots, device)
-        _, args = reduce_tensor(storage)
-        share = CudaShare(tuple(args[6:15]), [bytes(e.ipc_handle()) for e in events],
-                          [bytes(e.ipc_handle()) for e in readers])
-        slots = cls(msgspec.structs.replace(handle, cuda=share), table, None, owner=True, storage=storage)
-        slots._events, slots._reader_events = events, readers
-        return slots
-
-    def _map_storage(self) -> torch.Tensor:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        share = self.handle.cuda
-        assert share is not None
-        size, stride = torch.Size((self.num_slots, self.numel)), (self.numel, 1)
-        tensor = rebuild_cuda_tensor(
-            torch.Tensor, size, stride, 0, torch.storage.TypedStorage, self.dtype, *share.ipc_args
-        )
-        device = torch.device("cuda", share.ipc_args[0])
-        self._events = [torch.cuda.Event.from_ipc_handle(device, h) for h in share.slot_events]
-        self._reader_events = [torch.cuda.Event.from_ipc_handle(device, h) for h in share.reader_events]
-        return tensor
-
-    def _record(self, slot: int, stream: Any) -> None:
-        self._events[slot].record(
-            stream if stream is not None else torch.cuda.current_stream(self.storage.device)
-        )
-
-    def wait_copy(self, slot: int) -> None:
-        self._events[slot].wait(torch.cuda.current_stream(self.storage.device))
-
-    def wait_reader(self, slot: int, stream: Any) -> None:
-        self._reader_events[slot].wait(stream)
-
-    def mark_read(self, slot: int, after: Any = None) -> None:
-        stream = torch.cuda.current_stream(self.storage.device)
-        if after is not None:
-            stream.wait_event(after)
-        self._reader_events[slot].record(stream)
-
-
-def _interprocess_events(count: int, device: torch.device) -> list[Any]:
-    """``count`` interprocess CUDA events on ``device``, each recorded once (``ipc_handle`` needs it)."""
-    events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True) for _ in range(count)]
-    for event in events:
-        event.record(torch.cuda.current_stream(device))
-    return events
-
-
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype a handle names (``bfloat16``, ``float32``, …)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise SharedSlotsError(f"unknown dtype {name!r} in a slots handle")
@@ -446,11 +378,9 @@ def _check_header(table: SharedMemory, handle: SlotsHandle) -> None:
     header = np.ndarray((HEADER_WORDS,), dtype="<i8", buffer=table.buf)
     found = tuple(int(x) for x in header[:5])
     del header
-    want = (MAGIC, LAYOUT_VERSION, handle.num_slots, handle.numel, _dtype(handle.dtype).itemsize)
+    want = (MAGIC, LAYOUT_VERSION, handle.num_slots, handle.numel, dtype_named(handle.dtype).itemsize)
     if found != want:
         close_shared(table)
         raise SharedSlotsError(
             f"shared memory {handle.table_name!r} does not match its handle: {found} != {want}"
         )
-
-

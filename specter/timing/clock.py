@@ -4,7 +4,7 @@
 their transfers and experts are done. Figures then depend on this machine and its load.
 
 ``VirtualClock``: a discrete-event clock with three resources — the device's compute, the link
-(``specter.experts.link.VirtualLink``: one transfer at a time, priorities and cancels as on the
+(``specter.experts.virtual_link.VirtualLink``: one transfer at a time, priorities and cancels as on the
 wall clock) and the host's expert compute (``specter.experts.host.HostCompute``). Every forward
 still runs for real (tokens, routing and acceptance are the model's), but nothing sleeps: a wait
 advances the clock to when the transfer lands or the host is done. How long compute takes is

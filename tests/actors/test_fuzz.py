@@ -18,7 +18,7 @@ from tiny_models import noisy_copy
 
 from actors.launcher import EngineHandle, launch
 from specter.config import LinkConfig, SlotConfig
-from specter.remote.fuzz import fuzz_engine
+from specter.remote.fuzz_replica import fuzz_engine
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
 FRAMES = 3000  # per socket

@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from specter.draft.format.qweight import choose_group_size, quantize_weight
-from specter.draft.quantize.awq import (
-    ExpertLoss,
-    QuantSpec,
-    apply_clip,
-    output_error,
-    quantize_expert,
-    quantize_experts,
-    search_scale,
-)
+from specter.draft.quantize.awq import QuantSpec, quantize_expert, quantize_experts
 from specter.draft.quantize.clip import clip_ratios, search_clip
+from specter.draft.quantize.search import ExpertLoss, apply_clip, output_error, search_scale
 
 
 def _acts(gen: torch.Generator, n: int, outliers: bool) -> torch.Tensor:

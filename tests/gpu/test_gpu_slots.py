@@ -1,5 +1,5 @@
 """On a GPU (skipped without CUDA, collected everywhere so it cannot rot): shared slots on the device
-between two processes (``specter/remote/shm.py``): the storage shared by CUDA IPC, a reader's compute
+between two processes (``specter/remote/cuda_slots.py``): the storage shared by CUDA IPC, a reader's compute
 ordered after the writer's copy by the slot's copy event, and the writer's next copy ordered after the
 reader's kernels by the slot's reader event, with no host sync for either."""
 

@@ -65,7 +65,7 @@ def draft_together(
                 del pending[i]
                 continue
             token = (draft.last_tokens[n] if proposer.sampling.greedy
-                     else proposer._choose(logits[n][0, -1], qs))
+                     else proposer.choose_token(logits[n][0, -1], qs))
             drafted.append(token)
             if len(drafted) == ks[i] and not route_last:
                 del pending[i]

@@ -36,17 +36,14 @@ import contextlib
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from specter.batch_draft import BatchDrafter, LocalDrafter
-from specter.config import SamplingConfig
 from specter.plan import drafts
 from specter.plan.window import WindowChooser
-from specter.request import check_request, link_state
+from specter.request import BatchRequest, check_request, link_state
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.dispatch import flush_reads, host_read
@@ -54,45 +51,6 @@ from specter.verify.accept import accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
 PREFILL_CHUNK = 16  # a joining prompt's tokens per step: about a step's worth of extra work for the others
-OnTokens = Callable[[list[int]], None]
-Cancelled = Callable[[], bool]
-
-
-@dataclass(eq=False)
-class BatchRequest:
-    """One request and, once done, its ``tokens`` and ``stats`` (or the ``error`` that ended it)."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    eos_token_id: int | None = None
-    on_tokens: OnTokens | None = None
-    cancelled: Cancelled | None = None
-    on_done: Callable[[BatchRequest], None] | None = None  # called once it ends (``result`` no longer waits)
-    tokens: list[int] = field(default_factory=list)
-    stats: RequestStats | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    # while it runs
-    cache: Any = None
-    generator: torch.Generator | None = None
-    arrived_s: float = 0.0
-    commits: list[float] = field(default_factory=list)
-    fed: int = 0  # prompt tokens in the cache
-    proposer: Any = None  # its draft (speculative rounds)
-    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
-    ks: list[int] = field(default_factory=list)  # its K per drafting round
-    batch_sizes: list[int] = field(default_factory=list)
-    before: tuple[Any, ...] = ()
-
-    def result(self, timeout: float | None = None) -> tuple[list[int], RequestStats]:
-        """Wait for it; its tokens and stats, or its error raised."""
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"request not finished within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        assert self.stats is not None
-        return self.tokens, self.stats
 
 
 class Batcher:

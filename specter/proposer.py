@@ -140,7 +140,7 @@ class LocalProposer:
                 return drafts, qs
             logits = self._forward(pending)[0, -1]
             on_plan(plan_delta(round_id, step, self.draft.last_routing))
-            token = self._choose(logits, qs)
+            token = self.choose_token(logits, qs)
             drafts.append(token)
             pending = [token]
         if route_last and drafts:
@@ -148,7 +148,7 @@ class LocalProposer:
             on_plan(plan_delta(round_id, k, self.draft.last_routing))
         return drafts, qs
 
-    def _choose(self, logits: torch.Tensor, qs: list[torch.Tensor]) -> int:
+    def choose_token(self, logits: torch.Tensor, qs: list[torch.Tensor]) -> int:
         """The draft token from a step's logits (greedy, or drawn from the draft's generator with
         its distribution appended to ``qs``)."""
         if self.sampling.greedy:
@@ -351,7 +351,7 @@ class IdleProposer(LocalProposer):
                 self._open = opened
         logits = self._forward(opened.pending)[0, -1]
         delta = plan_delta(opened.round, len(opened.drafts), self.draft.last_routing)
-        token = self._choose(logits, opened.qs)
+        token = self.choose_token(logits, opened.qs)
         opened.drafts.append(token)
         opened.pending = [token]
         if hold:

@@ -1,8 +1,10 @@
 """One request's bookkeeping: what it asked for (checked before any work), what it has committed, what
-its rounds tallied, and the ``RequestStats`` made from them at its end (``Engine`` runs the request)."""
+its rounds tallied, and the ``RequestStats`` made from them at its end (``Engine`` runs the request);
+``BatchRequest``, the same for a request decoded among others (``specter/batching.py``)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +121,43 @@ def request_stats(
             "verify_s": tally.verify_s,
         },
     )
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One request and, once done, its ``tokens`` and ``stats`` (or the ``error`` that ended it)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eos_token_id: int | None = None
+    on_tokens: OnTokens | None = None
+    cancelled: Cancelled | None = None
+    on_done: Callable[[BatchRequest], None] | None = None  # called once it ends (``result`` no longer waits)
+    tokens: list[int] = field(default_factory=list)
+    stats: RequestStats | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    # while it runs
+    cache: Any = None
+    generator: torch.Generator | None = None
+    arrived_s: float = 0.0
+    commits: list[float] = field(default_factory=list)
+    fed: int = 0  # prompt tokens in the cache
+    proposer: Any = None  # its draft (speculative rounds)
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    ks: list[int] = field(default_factory=list)  # its K per drafting round
+    batch_sizes: list[int] = field(default_factory=list)
+    before: tuple[Any, ...] = ()
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], RequestStats]:
+        """Wait for it; its tokens and stats, or its error raised."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request not finished within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.stats is not None
+        return self.tokens, self.stats
 
 
 def add_predicted(predicted: dict[int, set[int]], deltas: list[PlanDelta]) -> None:

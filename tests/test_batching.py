@@ -9,12 +9,13 @@ from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
 from specter.batch_draft import propose_together
-from specter.batching import Batcher, BatchRequest
+from specter.batching import Batcher
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.decode import LEAN_FAMILIES
 from specter.proposer import LocalProposer
+from specter.request import BatchRequest
 from specter.target import OffloadedTarget
 from specter.timing.dispatch import DispatchCount
 

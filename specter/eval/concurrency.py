@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specter.batching import PREFILL_CHUNK, Batcher, BatchRequest
+from specter.batching import PREFILL_CHUNK, Batcher
 from specter.config import SamplingConfig
 from specter.draft.loading import load_draft
 from specter.eval.bench import FIXED_DRAFT_MODE, BenchConfig, load_target
 from specter.plan import drafts
-from specter.request import trace_bound
+from specter.request import BatchRequest, trace_bound
 from specter.timing.costs import resolve_timing
 from specter.timing.profiles import PROFILES
 

@@ -17,7 +17,7 @@ from tiny_models import noisy_copy
 from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
-from specter.batching import Batcher, BatchRequest
+from specter.batching import Batcher
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.draft.resident import ResidentDraft
@@ -41,6 +41,7 @@ from specter.remote.scheduler import TransferExperts
 from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shm import SharedSlots
 from specter.remote.transfer_server import NO_POLICY, OUT_OF_RANGE, SlotWriterLink, TransferServer
+from specter.request import BatchRequest
 from specter.target import OffloadedTarget, slot_groups
 from specter.timing.profiles import simulated_host
 

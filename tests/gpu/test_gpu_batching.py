@@ -10,11 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
-from specter.batching import Batcher, BatchRequest
+from specter.batching import Batcher
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.eval.prompts import load_prompts
 from specter.models.greedy import greedy_continuation
+from specter.request import BatchRequest
 from specter.target import OffloadedTarget
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -11,7 +11,6 @@ for why AWQ's scale ``s`` is stored as an extra tensor instead of being folded i
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,8 +26,6 @@ from specter.draft.quantize.search import (
     output_error,
     search_weight,
 )
-
-log = logging.getLogger(__name__)
 
 METHODS = ("awq", "rtn", "int8")
 # Where AWQ's gate/up input scale lives: ``folded`` (one scale per layer, folded into the draft's

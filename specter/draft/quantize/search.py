@@ -48,7 +48,7 @@ class Searched:
     Attributes:
         quant: the quantized weight.
         error: its loss on the calibration inputs.
-        alpha: the chosen α (0 with ``scaled`` False: no AWQ scale).
+        alpha: the chosen α (0: no AWQ scale, plain RTN won).
         duo: the scale has the weight-magnitude term.
         clip: mean clipping ratio over (row, group) (1.0: no clipping).
         rtn_error: the loss of plain RTN on the same inputs.

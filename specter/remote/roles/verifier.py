@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import torch
 
-from specter.batching import Batcher, BatchRequest
+from specter.batching import Batcher
 from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.slots import SlotPool
@@ -49,6 +49,7 @@ from specter.remote.residency import SharedIndex
 from specter.remote.roles.base import Metrics, NoMetrics, compute_dtype, role_device
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots, SlotsHandle
+from specter.request import BatchRequest
 from specter.target import OffloadedTarget, slot_groups
 from specter.timing.profiles import simulated_host
 

@@ -2,7 +2,7 @@
 
 The measures come from ``specter.eval.fidelity``'s tallies (and ``measure_acceptance``);
 ``paired_bootstrap`` resamples prompts to say which differences between two rows are clear of
-sampling noise. ``scripts/fidelity.py`` writes the report.
+sampling noise. ``scripts/fidelity.py`` writes the report (its markdown: ``scripts/fidelity_doc.py``).
 """
 
 from __future__ import annotations

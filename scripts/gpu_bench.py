@@ -31,9 +31,10 @@ hit rate, link busy share, host reads per MoE layer per token; under the table, 
 its rounds by K, the rounds drafted ahead that stood and what ``specter``'s K chooser had learnt (α,
 the draft's seconds per forward and per round, the K it estimated best). Per shape also the draft's one-token
 step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run eagerly), against
-the engine's resident step. Writes ``gpu_bench.json`` and
-``gpu_bench.md`` under ``--out``. On a CPU (``--smoke``: shrunk shapes, 1 layer, a few tokens, a
-simulated link) the same code runs as a test of the script (``tests/test_gpu_bench.py``).
+the engine's resident step. Writes ``gpu_bench.json`` and ``gpu_bench.md`` (the report:
+``gpu_bench_report.py``, beside this script) under ``--out``. On a CPU (``--smoke``: shrunk shapes,
+1 layer, a few tokens, a simulated link) the same code runs as a test of the script
+(``tests/test_gpu_bench.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_bench_report import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the device machine runs the checkout without installing it
@@ -381,59 +383,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows), 4) for k in keys}
     summary.update({k: rows[-1][k] for k in ("window_hist", "ahead", "chooser") if k in rows[-1]})
     return summary
-
-
-def markdown(results: dict[str, Any]) -> str:
-    lines = [f"# GPU bench ({results['device']}, torch {results['torch']}, {results['repeats']} repeats interleaved, "
-             f"{results['new_tokens']} tokens, medians)", ""]
-    for shape, block in results["shapes"].items():
-        if "error" in block:
-            lines += [f"## {shape}: failed", "", f"    {block['error']}", ""]
-            continue
-        lines += [f"## {shape} ({block['layers']} layers, gain {block['gain']}, {block['dtype']})", "",
-                  "| setting | TPOT ms | vs demand-lru | accepted / K | hit rate | link busy | reads / layer / token "
-                  "| processes / in process | busy while a demand waits |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name, row in block["summary"].items():
-            ratio = f"{row['vs_demand_lru']:.2f}x" if "vs_demand_lru" in row else "-"
-            accepted = f"{row['accepted']:.1f} / {row['window']:.1f}" if row.get("window") else "-"
-            if row.get("plain_share"):
-                accepted += f" ({row['plain_share']:.0%} plain)"
-            lines.append(f"| {name} | {row['tpot_ms']:.2f} | {ratio} | {accepted} | {row.get('hit_rate', 1.0):.2f} "
-                         f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} "
-                         f"| {_figure(row, 'vs_in_process', '{:.2f}x')} | {_figure(row, 'busy_while_demanded', '{:.0%}')} |")
-        lines += _chooser_lines(block["summary"])
-        steps = block.get("draft_step", {})
-        if steps:
-            lines.append("Draft step (one token, ms; ratio to the engine's resident step): " + ", ".join(
-                f"{mode} {row['ms']:.3f} ({row['vs_target_step']}x)" for mode, row in steps.items()))
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _chooser_lines(summary: dict[str, Any]) -> list[str]:
-    """Per speculative row (last repeat): the K its rounds drafted, the rounds drafted ahead that
-    stood, and for an adaptive one what its chooser had learnt."""
-    lines = []
-    for name, row in summary.items():
-        if not any(int(k) > 0 for k in row.get("window_hist", {})):  # plain decoding: nothing to tell
-            continue
-        text = f"* {name}: rounds by K " + ", ".join(f"{k}: {n}" for k, n in row["window_hist"].items())
-        if "ahead" in row:
-            text += f"; drafted ahead {row['ahead']['kept']}/{row['ahead']['asked']} stood"
-        chooser = row.get("chooser")
-        if chooser and chooser.get("per_token_s"):
-            best = min(chooser["per_token_s"].items(), key=lambda kv: kv[1])
-            draft = "not measured" if chooser["draft_s"] is None else (
-                f"{1e3 * chooser['draft_s']:.2f} ms a forward + {1e3 * chooser['round_s']:.2f} ms a round")
-            text += (f"; chooser: alpha {chooser['alpha']:.2f}, draft {draft}, best K {best[0]} at "
-                     f"{1e3 * best[1]:.2f} ms/token, plain {1e3 * chooser['per_token_s'].get('0', float('nan')):.2f}")
-        lines.append(text)
-    return ([""] + lines + [""] if lines else [])
-
-
-def _figure(row: dict[str, Any], key: str, form: str) -> str:
-    return form.format(row[key]) if key in row else "-"
 
 
 if __name__ == "__main__":

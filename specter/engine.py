@@ -218,6 +218,8 @@ class Engine:
             limit = min(self.window, remaining - 1)
             if standing and planned is not None:  # drafted ahead at the K chosen a round early
                 k = planned
+                if chooser is not None:
+                    chooser.play(k)
             else:  # chosen now, from every round measured so far (a K chosen early for a round
                 k = chooser.choose(limit) if chooser is not None else limit  # thrown away is stale)
             ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
@@ -309,7 +311,7 @@ class Engine:
         ahead = 0
         if ahead_limit > 0:  # after begin_round: the policy reads this round's K from the chooser
             chooser = self.policy.window_chooser()
-            ahead = chooser.choose(ahead_limit) if chooser is not None else ahead_limit
+            ahead = chooser.choose(ahead_limit, ahead=True) if chooser is not None else ahead_limit
         t0 = self.clock.now()
         if standing:
             drafts, qs, predicted = self._take(round_id, seq, ahead)

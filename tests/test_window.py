@@ -78,6 +78,32 @@ def test_the_summary_reports_what_the_choice_is_made_from():
     assert summary["samples"] == {"4": 2, "8": 2, "12": 1, "16": 1, "24": 1}  # settled rounds only
 
 
+def test_a_k_chosen_ahead_leaves_the_running_rounds_choice_in_place():
+    """Pipelined, the engine asks for the next round's K while this round runs. That choice must not
+    take this round's place: the policy reads ``last`` during the round, and a switch to drafting that
+    has not measured a settled round yet is seen through. (It once did: an ahead choice of 0, made with
+    the request's few tokens left, turned the next round plain, and a stale drafting estimate then
+    kept the engine plain to the end — most rounds of a run, on the virtual clock and on the H200.)"""
+    chooser = WindowChooser()
+    chooser.accepted, chooser.tried = 19.0, 20.0  # alpha 0.95
+    chooser.record(0, 0.0, 1.0, 0)  # the anchor: a plain step costs 1 s
+    for _ in range(5):
+        chooser.record(0, 0.0, 1.0, 0)
+    chooser.record(8, 0.8, 3.0, 8)  # the switch to drafting: not settled
+    chooser.record(8, 0.8, 3.0, 8)  # measured: (0.8 + 3) / E(8) ~ 0.5 s a token, cheaper than plain
+    for _ in range(5):
+        chooser.record(0, 0.0, 1.0, 0)  # back on plain steps (as after a request whose K was capped)
+    first = chooser.choose(16)
+    assert first > 0 and chooser.last == first
+    assert chooser.choose(1, ahead=True) == 0  # 2 tokens left after this round: plain is cheaper there
+    assert chooser.last == first and not chooser.caching  # what the policy reads while the round runs
+    chooser.record(first, 0.1 * first, 3.0, first)  # the first drafting round after plain: not settled
+    assert chooser.choose(16) == first  # the switch is seen through until it measures
+    ahead = chooser.choose(16, ahead=True)
+    chooser.play(ahead)  # the round drafted ahead stands: it is the one that runs
+    assert chooser.last == ahead
+
+
 def test_one_window_so_far_puts_the_drafting_time_per_forward():
     chooser = WindowChooser()
     chooser.record(0, 0.0, 1.0, 0)

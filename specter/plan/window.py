@@ -127,9 +127,14 @@ class WindowChooser:
         draft = self.forwards(k) * (self.draft_s or 0.0) + (self.round_s if k > 0 else 0.0)
         return (draft + verify) / self.expected_tokens(k)
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, ahead: bool = False) -> int:
         """K for the next round, at most ``limit`` (the engine's cap and the tokens left); a plain
-        step (0) may be the caching arm (``caching``)."""
+        step (0) may be the caching arm (``caching``).
+
+        ``ahead``: the K of the round after the running one, drafted during its verify pass
+        (pipelined), by the same rule but leaving the running round's choice in place: the policy
+        reads it while the round runs (``last``, ``caching``), and until a switch has measured a
+        settled round the next choice follows it. An ahead round that stands is ``play``ed."""
         options = [k for k in CANDIDATES if k <= limit] + ([PLAIN_CACHED] if self.cache_arm else [])
         if 0 < limit < CANDIDATES[-1] and limit not in options:  # the request's last tokens
             options.append(limit)
@@ -141,8 +146,13 @@ class WindowChooser:
             arm = min(self.arm, limit)
         else:
             arm = min(options, key=lambda c: (self.score(c), c))
+        if not ahead:
+            self.play(arm)
+        return max(arm, 0)
+
+    def play(self, arm: int) -> None:
+        """The next round runs ``arm`` (its K, or ``PLAIN_CACHED``): chosen now, or drafted ahead."""
         self.arm, self.last = arm, max(arm, 0)
-        return self.last
 
     def summary(self) -> dict[str, Any]:
         """What it has learnt, for a run's record (why it chose the K it did): α, the draft's seconds

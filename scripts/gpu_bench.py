@@ -176,7 +176,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
 
 
 def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, list[dict[str, Any]]],
-          steps: dict[str, float]) -> dict[str, Any]:
+                  steps: dict[str, float]) -> dict[str, Any]:
     """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times."""
     summary = {name: summarize(rows) for name, rows in runs.items() if rows}
     for name, row in summary.items():

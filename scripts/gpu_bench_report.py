@@ -10,6 +10,8 @@ from typing import Any
 
 
 def markdown(results: dict[str, Any]) -> str:
+    """``gpu_bench.md``: per shape the settings' medians, the speculative rows' rounds and chooser, the
+    draft's step."""
     lines = [f"# GPU bench ({results['device']}, torch {results['torch']}, {results['repeats']} repeats interleaved, "
              f"{results['new_tokens']} tokens, medians)", ""]
     for shape, block in results["shapes"].items():

@@ -191,6 +191,13 @@ def cluster_link(link: LinkConfig | None) -> LinkConfig:
     return DEFAULT_SIM_LINK
 
 
+def require_gpu() -> None:
+    """Raise ``ValueError`` (one line, what to do) unless the cluster has a GPU: what a ``cuda`` link needs."""
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        raise ValueError("link: cuda puts the actors on a GPU, and this Ray cluster has none (ray status shows no "
+                         "GPU); start its nodes on GPU machines, or use --link sim:GBPS")
+
+
 def placement(
     roles: list[str], link: LinkConfig, cpus_per_actor: float = BUNDLE_CPUS, node_ip: str | None = None,
 ) -> tuple[list[dict[str, float]], dict[str, dict[str, Any]]]:
@@ -207,9 +214,7 @@ def placement(
     node = {f"node:{node_ip}": 0.001} if node_ip is not None else {}
     if link.kind != "cuda":
         return [{"CPU": cpus_per_actor, **node} for _ in roles], {r: {"bundle": i, "gpus": 0} for i, r in enumerate(roles)}
-    if ray.cluster_resources().get("GPU", 0) < 1:
-        raise ValueError("link: cuda puts the actors on a GPU, and this Ray cluster has none (ray status shows no "
-                         "GPU); start its nodes on GPU machines, or use --link sim:GBPS")
+    require_gpu()
     share = math.floor(1e4 / len(roles)) / 1e4  # Ray counts GPUs to 4 decimals: the shares sum to <= 1
     return [{"CPU": cpus_per_actor * len(roles), "GPU": 1.0, **node}], {r: {"bundle": 0, "gpus": share} for r in roles}
 

@@ -204,6 +204,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import ray
 
     from actors.cluster import init_ray
+    from actors.launcher import require_gpu
     from actors.serve import API_KEY_ENV, ServeOptions, is_loopback, run
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -232,6 +233,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.max_queue, args.max_body, template, args.timeout, profile, args.max_batch,
     )
     init_ray(args.address, args.num_cpus, args.connect_timeout)
+    if link is not None and link.kind == "cuda":  # told here: past this, it would fail inside Serve's replica
+        try:
+            require_gpu()
+        except ValueError:
+            ray.shutdown()
+            raise
 
     def ready(url: str) -> None:
         print(f"specter: serving {options.name!r} at {url}/v1 (policy {args.policy}; Ctrl-C stops)", file=sys.stderr,

@@ -113,12 +113,12 @@ def test_a_node_whose_torch_has_no_cuda_ends_the_launch_in_one_line_and_leaves_n
     assert {n for n in os.listdir("/dev/shm") if n.startswith("specter-")} <= before
 
 
-def test_the_cli_through_a_cluster_without_gpus_says_so_in_one_line(tiny_dir) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "specter.cli", "generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2",
-         "--address", "local", "--link", "cuda", "--policy", "demand-lru"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_cli_through_a_cluster_without_gpus_says_so_in_one_line(tiny_dir, command) -> None:
+    model = ["--model", str(tiny_dir("mixtral")), "--policy", "demand-lru", "--address", "local", "--link", "cuda"]
+    extra = ["--prompt-ids", "1,2"] if command == "generate" else ["--port", "0"]
+    proc = subprocess.run([sys.executable, "-m", "specter.cli", command, *model, *extra],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
     assert len(lines) == 1 and "link: cuda puts the actors on a GPU, and this Ray cluster has none" in lines[0]

@@ -153,10 +153,12 @@ def spread(replicas: int, link: LinkConfig) -> list[dict[str, Any]]:
     """Where each replica goes: on a ``cuda`` link Ray spreads them (a trio claims one whole GPU,
     ``launch``'s ``placement``), else round-robin over the alive nodes when there are several
     (``launch``'s ``node_ip``)."""
+    if link.kind == "cuda":
+        return [{} for _ in range(replicas)]
     nodes = sorted(
         n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")
     )
-    if link.kind == "cuda" or len(nodes) < 2:
+    if len(nodes) < 2:
         return [{} for _ in range(replicas)]
     return [{"node_ip": nodes[i % len(nodes)]} for i in range(replicas)]
 

@@ -55,7 +55,8 @@ def _chooser_lines(summary: dict[str, Any]) -> list[str]:
             draft = "not measured" if chooser["draft_s"] is None else (
                 f"{1e3 * chooser['draft_s']:.2f} ms a forward + {1e3 * chooser['round_s']:.2f} ms a round")
             text += (f"; chooser: alpha {chooser['alpha']:.2f}, draft {draft}, best K {best[0]} at "
-                     f"{1e3 * best[1]:.2f} ms/token, plain {1e3 * chooser['per_token_s'].get('0', float('nan')):.2f}")
+                     f"{1e3 * best[1]:.2f} ms/token, plain {1e3 * chooser['per_token_s'].get('0', float('nan')):.2f}"
+                     f", {chooser.get('cold', 0)} rounds cold (a step shape's first run or capture: not measured)")
         lines.append(text)
     return ([""] + lines + [""] if lines else [])
 

@@ -107,6 +107,12 @@ class LocalProposer:
         self.gen = torch.Generator()
         self.last_logits: torch.Tensor | None = None  # the last position's logits of the latest forward
 
+    @property
+    def cold(self) -> int:
+        """The draft's steps so far that ran a token count first or captured its graphs (``GraphedStep.cold``)."""
+        graphed = getattr(self.draft, "graphed", None)
+        return graphed.cold if graphed is not None else 0
+
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Draft cache over the prompt; seeds the draft's generator from the request's seed."""
         self.cache = self.draft.new_cache(batched=True) if self.batched else self.draft.new_cache()  # type: ignore[call-arg]

@@ -143,6 +143,8 @@ class DraftTokens(msgspec.Struct, frozen=True, array_like=True, tag="draft"):
             from); empty when greedy.
         vocab_size: length of the dense rows of ``q`` (0 when ``q`` is empty).
         request_id: the request they are for, in answer to a ``ProposeBatch``; "" otherwise.
+        cold: the draft's steps so far that paid a one-off (a token count's first step, a CUDA graph
+            capture: ``GraphedStep.cold``); a round in which it grew teaches the K chooser no cost.
     """
 
     round: Id
@@ -150,6 +152,7 @@ class DraftTokens(msgspec.Struct, frozen=True, array_like=True, tag="draft"):
     q: Annotated[list[SparseProbs], Meta(max_length=MAX_WINDOW)] = []
     vocab_size: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
     request_id: Name = ""
+    cold: Annotated[int, Meta(ge=0)] = 0
 
 
 class StartRequest(msgspec.Struct, frozen=True, array_like=True, tag="start"):

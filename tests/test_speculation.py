@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -65,6 +67,46 @@ def test_the_pieces_a_gpu_graphs_are_token_identical_too(setup, policy, window):
         target.close()
     assert tokens == expected, (policy, window)
     assert target.graphed is not None and len(target.graphed.pieces) >= (2 if window else 1)
+
+
+def test_a_round_that_paid_a_one_off_cost_does_not_teach_the_window_chooser(setup, monkeypatch):
+    """On a GPU a token count's first step runs eagerly and its second captures the CUDA graphs: a
+    one-off many times a step (the H200's ``specter`` went plain after measuring its first K's capture).
+    Here such steps (``GraphedStep.cold``, the static pieces run eagerly) are made to sleep 50 ms;
+    the chooser's verify times must not see it — and do, when the engine does not tell it."""
+    from specter.models.graphed import GraphedStep
+
+    folder, top_k, expected, draft = setup
+    call = GraphedStep.__call__
+
+    def slow_when_cold(self, input_ids):  # type: ignore[no-untyped-def]
+        cold = self.cold
+        out = call(self, input_ids)
+        if self.cold > cold:
+            time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(GraphedStep, "__call__", slow_when_cold)
+
+    def learnt(tell: bool) -> dict[int, float]:
+        if not tell:
+            monkeypatch.setattr(Engine, "_cold_steps", lambda self: 0)
+        target = OffloadedTarget.load(folder, SlotConfig(experts=top_k), LINK, policy="specter", step="static")
+        try:
+            engine = Engine(target, draft, 8)
+            tokens, _ = engine.generate_fresh(PROMPT, NEW)
+            assert tokens == expected
+            engine.generate_fresh(PROMPT[:3], 40)
+            chooser = engine.policy.window_chooser()
+            assert chooser is not None and target.graphed is not None and target.graphed.cold >= 3
+            assert (chooser.summary()["cold"] >= 1) == tell  # the rounds it was told of, and measured nothing in
+            return {k: v for k, v in chooser.verify_s.items() if chooser.samples.get(k)}
+        finally:
+            target.close()
+
+    told = learnt(True)
+    assert told and max(told.values()) < 0.04, told
+    assert max(learnt(False).values()) >= 0.05  # the same runs with the engine silent about it
 
 
 def test_draft_equal_to_target_accepts_every_draft_token(setup):

@@ -189,6 +189,7 @@ class GraphedStep:
         self.groups = lean.fused[0].q_heads // lean.fused[0].kv_heads  # query heads per key head
         self.pieces: dict[int, _Pieces] = {}
         self.captures = 0
+        self.cold = 0  # steps that did not replay: a token count's first (eager) and the one that captured
         self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
 
     @property
@@ -218,6 +219,8 @@ class GraphedStep:
         pieces.ids.copy_(input_ids, non_blocking=True)
         pieces.calls += 1
         graphed = self.capture and pieces.calls >= CAPTURE_AFTER
+        if pieces.calls < CAPTURE_AFTER or (graphed and pieces.version != cache.version):
+            self.cold += 1  # a one-off cost: what a step of this count costs from now on is not this
         if graphed and pieces.version != cache.version:
             try:
                 self._capture(pieces)

@@ -45,6 +45,12 @@ very first round is a plain step (K = 0), then ``START`` tokens are drafted unti
 was measured; that first round's time anchors ``v(0)`` but is no sample (it follows a prefill, so
 it is dear: kept as one, an unplayed plain arm looked dearer than it is for good).
 
+A round that paid a one-off (``cold``: a step shape run for the first time, its CUDA graphs
+captured — on a GPU a token count's first two steps) measures no cost either: a K's first
+settled round is the second with its verify pass's token count, the one that captures its graphs,
+and counted it makes drafting look many times dearer than it is (the likely cause of the plain
+rounds of ``specter`` in the H200's run: docs/benchmark.md).
+
 Only settled rounds measure costs: a stint of plain steps measures from its fifth round, a stint
 of drafting rounds from its second, and the first round of a request measures nothing (acceptance
 counts from every drafting round: that is the draft's and the target's, whatever the link did).
@@ -104,6 +110,7 @@ class WindowChooser:
     stint_measured: bool = True  # the running stint has measured a settled round
     last: int | None = None  # the K chosen for the latest round
     arm: int | None = None  # that choice: its K, or PLAIN_CACHED
+    cold: int = 0  # rounds that paid a one-off (``record``'s ``cold``), measured nothing
 
     @property
     def alpha(self) -> float:
@@ -157,12 +164,13 @@ class WindowChooser:
     def summary(self) -> dict[str, Any]:
         """What it has learnt, for a run's record (why it chose the K it did): α, the draft's seconds
         per forward (d) and per round (c), the verify level, each K's estimated seconds per committed
-        token (plain arms and candidates, once a pass was measured) and its settled samples."""
+        token (plain arms and candidates, once a pass was measured), its settled samples and the rounds
+        that measured nothing for a one-off they paid (``cold``)."""
         keys = sorted(set(CANDIDATES) | set(self.verify_s)) if self.verify_s else []
         estimates = {k: self.estimate(k) for k in keys}
         return {"alpha": self.alpha, "draft_s": self.draft_s, "round_s": self.round_s, "level": self.level,
                 "per_token_s": {str(k): v for k, v in estimates.items() if v is not None},
-                "samples": {str(k): n for k, n in sorted(self.samples.items())}}
+                "samples": {str(k): n for k, n in sorted(self.samples.items())}, "cold": self.cold}
 
     @property
     def caching(self) -> bool:
@@ -180,10 +188,12 @@ class WindowChooser:
         bonus = PLAIN_BONUS if k <= 0 else BONUS  # the plain arms differ by a few per cent at most
         return estimate * (1.0 - bonus / math.sqrt(self.measured.get(k, 0.0) + 1.0))
 
-    def record(self, k: int, draft_s: float, verify_s: float, accepted: int | None) -> None:
+    def record(self, k: int, draft_s: float, verify_s: float, accepted: int | None, cold: bool = False) -> None:
         """What a round of K measured: its drafting time, its verify pass time, tokens accepted
         (a plain round counts for the arm chosen for it). ``accepted`` None: the round's acceptance
-        went to ``observe`` already (a batched round: per request)."""
+        went to ``observe`` already (a batched round: per request). ``cold``: the round paid a one-off
+        (a step shape run for the first time, CUDA graphs captured): its acceptance counts, its
+        times do not (it still counts in its stint)."""
         if k == 0 and self.arm == PLAIN_CACHED:
             k = PLAIN_CACHED
         if k > 0 and accepted is not None:  # acceptance is the draft's and the target's: any drafting round
@@ -194,7 +204,8 @@ class WindowChooser:
             self.verify_s[k] = verify_s
         settled = self.stint >= SETTLE[k > 0]
         self.stint += 1
-        if not settled:
+        self.cold += cold
+        if not settled or cold:
             return  # its costs are not what this K costs when kept
         self.stint_measured = True
         for c in self.measured:

@@ -205,7 +205,7 @@ class DraftServer:
     def _send_tokens(self, round_id: int, drafts: list[int], qs: list[torch.Tensor], request_id: str = "") -> None:
         rows = [SparseProbs.from_dense(q.numpy()) for q in qs]
         vocab = int(qs[0].shape[-1]) if qs else 0
-        self.channel.send(DraftTokens(round_id, drafts, rows, vocab, request_id))
+        self.channel.send(DraftTokens(round_id, drafts, rows, vocab, request_id, self.proposer.cold))
         self.rounds += 1
 
     def _ahead(self, round_id: int, drafts: list[int], route_last: bool, k: int) -> None:

@@ -82,6 +82,7 @@ class RemoteProposer:
         self._ahead: tuple[int, int, bool] | None = None  # the optimistic round asked for: (round, K, route_last)
         self._thrown: set[int] = set()  # the request's thrown-away optimistic rounds (wire ids)
         self.ahead_asked = self.ahead_kept = self.ahead_dropped = 0
+        self.cold = 0  # the draft's steps that paid a one-off, as its latest tokens said (``DraftTokens.cold``)
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Start a request on the draft (it prefills while the verifier goes on)."""
@@ -197,6 +198,7 @@ class RemoteProposer:
         self, wire: int, seq: list[int], k: int, route_last: bool, ahead: int, tokens: DraftTokens
     ) -> tuple[list[int], list[torch.Tensor]]:
         drafted = _drafted(tokens, k, f"round {wire}")
+        self.cold = tokens.cold  # a draft process started anew counts from 0: a change, as a growth is
         self.cached = _cached_after(seq, k, route_last)
         self._ahead = (wire + 1, ahead, route_last) if ahead else None
         self.ahead_asked += bool(ahead)

@@ -119,3 +119,18 @@ def test_draft_answers_without_waiting_and_never_stops_on_a_full_queue(served) -
         assert server.handle(ProposeRequest(0, 0, [1], 2))
     assert server.rejections[OUT_OF_RANGE] == 3000 and server.unsent > 0
     assert not server.handle(Shutdown())
+
+
+def test_the_draft_tells_the_verifier_its_one_off_steps(served, monkeypatch) -> None:
+    """``DraftTokens.cold``: the draft's steps that ran a token count first or captured its CUDA graphs
+    (``GraphedStep.cold``), so the verifier's K chooser learns no cost from the round they fell in."""
+    server, draft, verifier = served
+    monkeypatch.setattr("specter.proposer.crop_cache", lambda cache, n: None)
+    assert server.handle(StartRequest("r", [1, 2, 3], 8))
+    assert server.handle(ProposeRequest(0, 3, [5], 2))
+    first = [verifier.recv(60) for _ in range(3)][-1]
+    draft.graphed = type("G", (), {"cold": 4})()  # as a graphed draft's step counts them
+    assert server.handle(ProposeRequest(1, 5, [3], 2))
+    second = [verifier.recv(60) for _ in range(3)][-1]
+    assert isinstance(first, DraftTokens) and isinstance(second, DraftTokens)
+    assert (first.cold, second.cold) == (0, 4)

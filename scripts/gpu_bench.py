@@ -61,9 +61,9 @@ sys.path.insert(0, str(ROOT))  # the device machine runs the checkout without in
 DEVICE_SHAPES = {"qwen1.5-moe": (4, 1.0), "mixtral-8x7b": (2, 0.25)}
 SMOKE_SHRINK = {"qwen1.5-moe": 16, "mixtral-8x7b": 64}
 SPECULATIVE = {"specter-paper": 8, "specter": 16}
-# A run's warm-up, on the fresh model each in-process run loads: past the one-token step's first two
-# calls (the eager one, then the CUDA graph capture: models/graphed.py), so the timed run replays it
-# (with 2, as before 2026-12-05, every timed run captured it: a one-off inside its TPOT).
+# A run's warm-up, on the fresh model each in-process run loads, after ``Engine.prepare_steps`` captured
+# every token count its rounds can use (before 2026-12-05 a 2-token warm-up left the one-token step's
+# capture, and every speculative count's, inside the timed run's TPOT).
 WARM_TOKENS = 4
 
 
@@ -284,7 +284,8 @@ class Runner:
         try:
             window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
-            engine.generate_fresh(prompt, WARM_TOKENS)  # warm-up: kernels chosen, caches allocated, graphs captured
+            engine.prepare_steps()  # every token count a round can use captured now, not inside the timed run
+            engine.generate_fresh(prompt, WARM_TOKENS)  # warm-up: kernels chosen, caches allocated
             tokens, stats = engine.generate_fresh(prompt, new_tokens)
             layers = self.moe_layers = len(target.loaded.moe_layers)
             graphs = target.graphed.captures if target.graphed is not None else 0

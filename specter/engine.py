@@ -95,6 +95,19 @@ class Engine:
         self.active = False  # a request is running (read from other threads: progress reports)
         self.committed = 0  # tokens the running (or last) request has committed so far
 
+    def prepare_steps(self) -> int:
+        """Make ready now the step shapes this engine's rounds use — the target's 1 to window + 1 tokens
+        (a plain step, a verify pass of K + 1), an in-process draft's 1 to window + 2 (a round's first
+        step feeds what the last round committed) — so no request pays their first runs and CUDA graph
+        captures (``GraphedStep.prepare``; on a GPU some milliseconds each). Where steps are eager
+        there is nothing to do. Returns how many token counts were made ready."""
+        ready = 0
+        for model, most in ((self.target, self.window + 1), (self.draft, self.window + 2)):
+            graphed = getattr(model, "graphed", None)
+            if graphed is not None:
+                ready += graphed.prepare(range(1, most + 1))
+        return ready
+
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
         eos_token_id: int | None = None, on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None,

@@ -109,6 +109,36 @@ def test_a_round_that_paid_a_one_off_cost_does_not_teach_the_window_chooser(setu
     assert max(learnt(False).values()) >= 0.05  # the same runs with the engine silent about it
 
 
+def test_steps_made_ready_up_front_decode_the_same_and_are_never_cold(setup, tmp_path_factory):
+    """``Engine.prepare_steps``: every token count a round of K <= window can use is made ready first
+    (on a GPU captured: ``GraphedStep.prepare``; here the static pieces' warm-up), so no step of the
+    requests after it is cold, and the tokens are transformers' (the warm-up wrote only past the
+    cache's length)."""
+    from specter.draft.loading import load_draft
+    from specter.draft.quantize.model import quantize_model
+
+    folder, top_k, expected, _ = setup
+    out = tmp_path_factory.mktemp("prepared") / "draft"
+    quantize_model(str(folder), str(out), method="rtn", group_size=32, progress=False)
+    draft = load_draft(out, device="cpu", mode="dequant-cache", step="static")
+    target = OffloadedTarget.load(folder, SlotConfig(experts=top_k), LINK, policy="specter-paper", step="static")
+    try:
+        engine = Engine(target, draft, 8)
+        assert engine.prepare_steps() == 9 + 10  # target 1..9 tokens, draft 1..10
+        assert engine.prepare_steps() == 0  # ready already
+        assert target.graphed is not None and draft.graphed is not None
+        before = (target.graphed.cold, draft.graphed.cold)
+        for _ in range(2):
+            tokens, stats = engine.generate_fresh(PROMPT, NEW)
+            assert tokens == expected
+        assert (target.graphed.cold, draft.graphed.cold) == before == (0, 0)
+        assert stats.extra["rounds"] > 0  # rounds of K 8 (the last ones shorter), drafted and verified
+    finally:
+        target.close()
+    with pytest.raises(ValueError, match="counts: expected token counts of at least 1"):
+        target.graphed.prepare([0, 1])
+
+
 def test_draft_equal_to_target_accepts_every_draft_token(setup):
     folder, _, expected, _ = setup
     same = ResidentDraft(folder)

@@ -243,6 +243,49 @@ class GraphedStep:
         cache.length += tokens
         return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
 
+    @torch.inference_mode()
+    def prepare(self, counts: Any) -> int:
+        """Make the steps of each token count in ``counts`` ready before a request runs one, so none
+        pays the one-off a count's first two steps pay otherwise (``cold``): on CUDA each count's
+        pieces are captured now; elsewhere they run once (the warm-up a capture starts with), and a
+        CPU's static pieces count as replays from a count's first step, as a GPU's are. The warm-up
+        writes keys and values only past the cache's length (masked until a step rewrites them) and
+        runs no experts. Returns how many counts were made ready (a count already ready is left)."""
+        counts = sorted(set(int(c) for c in counts))
+        if counts and counts[0] < 1:
+            raise ValueError(f"counts: expected token counts of at least 1, got {counts[0]}")
+        if not counts:
+            return 0
+        cache = self.cache
+        cache.reserve(cache.length + counts[-1])  # before any capture: a reserve that moves the buffers stales them
+        cache.position.fill_(cache.length)
+        ready = 0
+        for tokens in counts:
+            pieces = self.pieces.get(tokens)
+            if pieces is None:
+                pieces = self.pieces[tokens] = _Pieces(tokens, cache.device)
+            if pieces.version == cache.version if self.capture else pieces.calls >= CAPTURE_AFTER - 1:
+                continue  # captured over these buffers (a GPU), or run once (elsewhere): its next step is no one-off
+            if self.capture:
+                try:
+                    self._capture(pieces)
+                except RuntimeError as exc:  # as in a step: the pieces then run eagerly
+                    log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc, exc_info=True)
+                    self.capture, self.failure = False, traceback.format_exc()
+                    return ready
+            else:
+                self._warm(pieces)
+            pieces.calls = CAPTURE_AFTER - 1  # the next step of this count replays (or stands in for a replay)
+            ready += 1
+        return ready
+
+    def _warm(self, p: _Pieces) -> None:
+        """Every piece once, in order, on the current stream (their experts' input zeros, unused)."""
+        hidden = self.lean.inner.embed_tokens.weight
+        p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
+        for i in range(len(self.splits) + 1):
+            self._piece(p, i)
+
     def _piece(self, p: _Pieces, i: int) -> None:
         """Piece ``i``: from the experts' output of split ``i - 1`` (or the token embedding) through the
         attention and router of split ``i``'s layer (or to the logits)."""
@@ -297,14 +340,11 @@ class GraphedStep:
         own entry (a device sync, a garbage collection, emptying the cache) is skipped: a capture
         per token count would cost more than the steps it saves."""
         p.graphs = []
-        hidden = self.lean.inner.embed_tokens.weight
-        p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(side):
-            for i in range(len(self.splits) + 1):
-                self._piece(p, i)
+            self._warm(p)
             for i in range(len(self.splits) + 1):
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")

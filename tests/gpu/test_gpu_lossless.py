@@ -59,3 +59,24 @@ def test_plain_decoding_in_bf16_equals_transformers_in_bf16(model) -> None:  # t
     finally:
         target.close()
     assert list(tokens[:NEW]) == expected
+
+
+@pytest.mark.parametrize("policy", ["specter", "specter-paper"])
+def test_steps_captured_up_front_stay_token_identical(policy: str) -> None:
+    """``Engine.prepare_steps`` captures every token count a round can use before the request (target
+    1..K+1, draft 1..K+2; ``GraphedStep.prepare``): the request replays them (no step of it is cold)
+    and still decodes transformers' tokens in fp32."""
+    prompt, expected = _expected(DEFAULT_MODEL, torch.float32)
+    target = OffloadedTarget.load(DEFAULT_MODEL, SlotConfig(fraction=0.25), LinkConfig(kind="cuda"), policy,
+                                  device="cuda", dtype=torch.float32)
+    try:
+        draft = load_draft(f"{DEFAULT_MODEL}-awq", device="cuda", mode="dequant-cache")
+        engine = Engine(target, draft, 8)
+        assert engine.prepare_steps() == 9 + 10
+        assert target.graphed is not None and target.graphed.captures == 9 and target.graphed.failure is None
+        tokens, _ = engine.generate_fresh(prompt, NEW)
+        assert target.graphed.captures == 9 and target.graphed.cold == 0  # replayed, none captured anew
+        assert getattr(draft, "graphed", None) is None or draft.graphed.cold == 0  # type: ignore[attr-defined]
+    finally:
+        target.close()
+    assert list(tokens[:NEW]) == expected, policy

@@ -29,7 +29,11 @@ Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepte
 round (and the share of rounds ``specter``'s K chooser made plain),
 hit rate, link busy share, host reads per MoE layer per token; under the table, per speculative row,
 its rounds by K, the rounds drafted ahead that stood and what ``specter``'s K chooser had learnt (α,
-the draft's seconds per forward and per round, the K it estimated best). Per shape also the draft's one-token
+the draft's seconds per forward and per round, the K it estimated best, the rounds it did not learn
+from for a one-off in them). Each in-process run first captures every token count its rounds can use
+(``Engine.prepare_steps``: ``prepared`` in its raw record, beside ``cold_steps``, the timed run's steps
+that still ran a count first or captured: 0 when that worked). ``--smoke --static`` runs the steps as
+the static pieces a GPU graphs, eagerly (the CPU test of that path). Per shape also the draft's one-token
 step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run eagerly), against
 the engine's resident step. Writes ``gpu_bench.json`` and ``gpu_bench.md`` (the report:
 ``gpu_bench_report.py``, beside this script) under ``--out``. On a CPU (``--smoke``: shrunk shapes,
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --smoke)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 32 (6 with --smoke)")
     parser.add_argument("--gain", type=float, default=None, help="override every shape's agreement knob")
+    parser.add_argument("--static", action="store_true",
+                        help="with --smoke: the steps after the prompt as the static pieces a GPU graphs, run "
+                             "eagerly (step='static': Engine.prepare_steps and the pieces' cold counts on a CPU)")
     parser.add_argument("--extra", default="",
                         help="more policies (options allowed, e.g. specter+nohost) run at the first budget")
     parser.add_argument("--processes", default="demand-lru,specter",
@@ -87,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         parser.error("no CUDA device: run with --smoke on a CPU")
+    if args.static and cuda:
+        parser.error("--static: the static pieces stand in for CUDA graphs on a CPU; a device graphs them")
     shapes = [s for s in args.shapes.split(",") if s]
     from specter.plan import policy_class
 
@@ -152,7 +161,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
-    runner = Runner(folder, device, dtype, cuda)
+    runner = Runner(folder, device, dtype, cuda, step="static" if args.static else "auto")
     int4 = runner.int4_ready()
     if int4:  # the draft's experts in int4 on the device, gathered per step (where the kernel takes the shapes)
         settings += [(f"{policy}-int4", budgets[0]) for policy in SPECULATIVE]
@@ -221,13 +230,13 @@ def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, toke
 class Runner:
     """Loads the target per run (a fresh slot pool) and the draft once; times one request."""
 
-    def __init__(self, folder: Path, device: str, dtype: torch.dtype, cuda: bool):
+    def __init__(self, folder: Path, device: str, dtype: torch.dtype, cuda: bool, step: str = "auto"):
         from specter.config import LinkConfig
         from specter.draft.loading import load_draft
 
-        self.folder, self.device, self.dtype = folder, device, dtype
+        self.folder, self.device, self.dtype, self.step = folder, device, dtype, step
         self.link = LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=2e9, latency=10e-6)
-        self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype)
+        self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype, step=step)
         self.eager_draft: Any = None
         self.int4_draft: Any = None
         self.processes: Any = None  # the three roles as processes (launched by the first ``-processes`` run)
@@ -250,7 +259,8 @@ class Runner:
         from specter.draft.runner import DraftModel
 
         try:
-            draft = DraftModel.load(self.folder / "draft", device=self.device, mode="int4-kernel", dtype=self.dtype)
+            draft = DraftModel.load(self.folder / "draft", device=self.device, mode="int4-kernel", dtype=self.dtype,
+                                    step=self.step)
         except ValueError as exc:
             print(f"gpu_bench: no int4 draft rows: {exc}", file=sys.stderr, flush=True)
             return False
@@ -280,13 +290,15 @@ class Runner:
         policy = policy.removesuffix("-int4")
         name = "demand-lru" if policy == "engine" else policy
         target = OffloadedTarget.load(self.folder / "target", SlotConfig(fraction=budget), self.link, name,
-                                      device=self.device, dtype=self.dtype, step="eager" if eager else "auto")
+                                      device=self.device, dtype=self.dtype, step="eager" if eager else self.step)
         try:
             window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
-            engine.prepare_steps()  # every token count a round can use captured now, not inside the timed run
+            prepared = engine.prepare_steps()  # every token count a round can use captured now, not in the timed run
             engine.generate_fresh(prompt, WARM_TOKENS)  # warm-up: kernels chosen, caches allocated
+            cold = engine.cold_steps()
             tokens, stats = engine.generate_fresh(prompt, new_tokens)
+            cold = engine.cold_steps() - cold  # steps of the timed run that ran a count first or captured: 0 here
             layers = self.moe_layers = len(target.loaded.moe_layers)
             graphs = target.graphed.captures if target.graphed is not None else 0
             failure = target.graphed.failure if target.graphed is not None else None
@@ -299,6 +311,7 @@ class Runner:
         spec, plain = stats.extra.get("rounds", 0), stats.extra.get("plain_rounds", 0)
         window = stats.extra.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0
         return {"tpot_ms": stats.tpot_s * 1e3, "tokens": tokens, "hit_rate": stats.hit_rate, "graphs": graphs,
+                "prepared": prepared, "cold_steps": cold,
                 "accepted": stats.extra.get("mean_accepted", 0.0), "window": window,
                 "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                 "link_busy": stats.link_busy_fraction,

@@ -236,11 +236,11 @@ class Engine:
             else:  # chosen now, from every round measured so far (a K chosen early for a round
                 k = chooser.choose(limit) if chooser is not None else limit  # thrown away is stale)
             ahead_limit = min(self.window, remaining - (k + 1) - 1) if self.pipelined and k else 0
-            cold = self._cold_steps()
+            cold = self.cold_steps()
             new, planned, stands = self._round(round_id, seq, request.cache, k, request.sampling, request.gen, tally,
                                                standing, ahead_limit)
             if chooser is not None:  # a round that captured graphs (or ran a step shape first) measures no cost
-                chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1, cold=self._cold_steps() != cold)
+                chooser.record(k, tally.costs[0], tally.costs[1], len(new) - 1, cold=self.cold_steps() != cold)
             committed = until_eos(new[:remaining], request.eos)
             seq += committed
             request.commits += [self.clock.now()] * len(committed)
@@ -251,7 +251,7 @@ class Engine:
             standing = stands
         return False
 
-    def _cold_steps(self) -> int:
+    def cold_steps(self) -> int:
         """Steps so far, target's and draft's, that ran a token count for the first time or captured
         its CUDA graphs (``GraphedStep.cold``): their time is a one-off, not what the count costs."""
         graphed = getattr(self.target, "graphed", None)

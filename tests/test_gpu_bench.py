@@ -61,3 +61,26 @@ def test_the_gpu_bench_refuses_to_run_without_a_device_unless_smoke(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--shapes", "gpt",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown gpt" in done.stderr
+
+
+def test_the_gpu_bench_on_the_pieces_a_gpu_graphs_prepares_every_step_shape_first(tmp_path):
+    """``--static``: the steps after the prompt through the static pieces (what a GPU replays as CUDA
+    graphs, run eagerly). Every graphed run makes its token counts ready first (``prepared`` > 0), its
+    timed request then runs no step shape for the first time (``cold_steps`` 0), and its tokens are still
+    transformers'; the eager rows prepare nothing."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--static", "--shapes",
+                           "mixtral-8x7b", "--budgets", "0.25", "--processes", "", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    block = json.loads((tmp_path / "gpu_bench.json").read_text())["shapes"]["mixtral-8x7b"]
+    assert "error" not in block, block.get("trace")
+    reference = block["runs"]["transformers@1"][0]["tokens"]
+    for name, runs in block["runs"].items():
+        if name == "transformers@1":
+            continue
+        run = runs[0]
+        assert run["tokens"] == reference, name
+        assert run["cold_steps"] == 0, name
+        assert (run["prepared"] > 0) == ("-eager" not in name), name
+    assert block["summary"]["specter@0.25"]["chooser"]["cold"] == 0

@@ -90,7 +90,7 @@ def test_a_round_that_paid_a_one_off_cost_does_not_teach_the_window_chooser(setu
 
     def learnt(tell: bool) -> dict[int, float]:
         if not tell:
-            monkeypatch.setattr(Engine, "_cold_steps", lambda self: 0)
+            monkeypatch.setattr(Engine, "cold_steps", lambda self: 0)
         target = OffloadedTarget.load(folder, SlotConfig(experts=top_k), LINK, policy="specter", step="static")
         try:
             engine = Engine(target, draft, 8)

@@ -65,10 +65,6 @@ sys.path.insert(0, str(ROOT))  # the device machine runs the checkout without in
 DEVICE_SHAPES = {"qwen1.5-moe": (4, 1.0), "mixtral-8x7b": (2, 0.25)}
 SMOKE_SHRINK = {"qwen1.5-moe": 16, "mixtral-8x7b": 64}
 SPECULATIVE = {"specter-paper": 8, "specter": 16}
-# A run's warm-up, on the fresh model each in-process run loads, after ``Engine.prepare_steps`` captured
-# every token count its rounds can use (before 2026-12-05 a 2-token warm-up left the one-token step's
-# capture, and every speculative count's, inside the timed run's TPOT).
-WARM_TOKENS = 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +291,7 @@ class Runner:
             window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
             prepared = engine.prepare_steps()  # every token count a round can use captured now, not in the timed run
-            engine.generate_fresh(prompt, WARM_TOKENS)  # warm-up: kernels chosen, caches allocated
+            engine.generate_fresh(prompt, 2)  # warm-up: kernels chosen, caches allocated
             cold = engine.cold_steps()
             tokens, stats = engine.generate_fresh(prompt, new_tokens)
             cold = engine.cold_steps() - cold  # steps of the timed run that ran a count first or captured: 0 here

@@ -219,14 +219,11 @@ class GraphedStep:
         pieces.ids.copy_(input_ids, non_blocking=True)
         pieces.calls += 1
         graphed = self.capture and pieces.calls >= CAPTURE_AFTER
-        if pieces.calls < CAPTURE_AFTER or (graphed and pieces.version != cache.version):
+        stale = graphed and pieces.version != cache.version  # no capture over these buffers yet
+        if pieces.calls < CAPTURE_AFTER or stale:
             self.cold += 1  # a one-off cost: what a step of this count costs from now on is not this
-        if graphed and pieces.version != cache.version:
-            try:
-                self._capture(pieces)
-            except RuntimeError as exc:  # an op that cannot be captured here: run the same pieces eagerly
-                log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc, exc_info=True)
-                self.capture, self.failure, graphed = False, traceback.format_exc(), False
+        if stale:
+            graphed = self._try_capture(pieces)
         for i in range(len(self.splits) + 1):
             if graphed:
                 pieces.graphs[i].replay()
@@ -266,18 +263,24 @@ class GraphedStep:
                 pieces = self.pieces[tokens] = _Pieces(tokens, cache.device)
             if pieces.version == cache.version if self.capture else pieces.calls >= CAPTURE_AFTER - 1:
                 continue  # captured over these buffers (a GPU), or run once (elsewhere): its next step is no one-off
-            if self.capture:
-                try:
-                    self._capture(pieces)
-                except RuntimeError as exc:  # as in a step: the pieces then run eagerly
-                    log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc, exc_info=True)
-                    self.capture, self.failure = False, traceback.format_exc()
-                    return ready
-            else:
+            if not self.capture:
                 self._warm(pieces)
+            elif not self._try_capture(pieces):
+                return ready
             pieces.calls = CAPTURE_AFTER - 1  # the next step of this count replays (or stands in for a replay)
             ready += 1
         return ready
+
+    def _try_capture(self, p: _Pieces) -> bool:
+        """``_capture``; an op that cannot be captured here leaves this step's pieces eager from now on
+        (logged, ``failure``). Whether ``p`` is captured."""
+        try:
+            self._capture(p)
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture failed (%s); the step runs its pieces eagerly", exc, exc_info=True)
+            self.capture, self.failure = False, traceback.format_exc()
+            return False
+        return True
 
     def _warm(self, p: _Pieces) -> None:
         """Every piece once, in order, on the current stream (their experts' input zeros, unused)."""

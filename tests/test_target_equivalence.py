@@ -8,6 +8,7 @@ from tiny_models import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SlotConfig
+from specter.engine import Engine
 from specter.generation import generate
 from specter.models.decode import LEAN_FAMILIES
 from specter.models.graphed import StaticKV
@@ -94,6 +95,46 @@ def test_the_pieces_a_gpu_graphs_decode_as_transformers_generate(family, tiny_di
             target.close()
         assert tokens == out[0, len(PROMPT):].tolist(), f"{family} at budget {budget}"
         assert target.graphed.cache.capacity == 32
+        # every expert resident: the step in one piece, its experts inside; offloaded: cut at each layer
+        assert bool(target.graphed.whole) == (budget == "1.0") and bool(target.graphed.pieces) == (budget == "min")
+
+
+@pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))
+def test_a_resident_step_in_one_piece_gives_way_to_the_cut_one_while_an_expert_is_away(family, tiny_dir):
+    """All experts resident, the static step runs whole (experts inside the piece a GPU captures);
+    evict one between steps and the steps are cut at each layer again (there the layer reads its
+    routing and fetches what is away) until a step routes to it and fetches it, then whole again:
+    transformers' tokens throughout."""
+    folder = tiny_dir(family)
+    ref = _reference(folder)
+    expected = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW,
+                            do_sample=False)[0, len(PROMPT):].tolist()
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=1.0), FAST_LINK, step="static")
+    graphed, pool = target.graphed, target.offload.pool
+    assert graphed is not None
+    away = (min(key[0] for key in pool.where), 0)
+    runs: list[tuple[bool, bool]] = []  # per step after the first: (the expert in its slot, the step ran whole)
+    resident = graphed._resident
+
+    def spy() -> tuple[tuple[int, ...], ...] | None:  # GraphedStep asks once a step
+        slots = resident()
+        runs.append((away in pool.where and away not in pool.loading, slots is not None))
+        return slots
+
+    def between_steps(tokens: list[int]) -> None:
+        if len(runs) >= 3 and all(held for held, _ in runs):
+            pool.evict(away)
+
+    graphed._resident = spy  # type: ignore[method-assign]
+    try:
+        tokens, _ = Engine(target).generate(PROMPT, NEW, on_tokens=between_steps)
+    finally:
+        target.close()
+    assert tokens == expected, family
+    assert len(runs) == NEW - 1  # (the first token is the prompt's)
+    assert all(held == whole for held, whole in runs)  # whole exactly while every expert is in its slot
+    assert runs[:3] == [(True, True)] * 3 and (False, False) in runs
+    assert graphed.whole[1].calls + graphed.pieces[1].calls == NEW - 1
 
 
 def test_a_step_mode_the_target_cannot_take_is_refused_by_name(tiny_dir):

@@ -123,7 +123,7 @@ class OffloadedExperts:
         """transformers' eager experts loop's result, with experts taken from slots in grouped calls
         (``specter/experts/grouped.py``) or, for late ones when the policy allows it, computed on
         the host from their blobs; plus ``residual`` when given (the lean step's)."""
-        resident = self._resident_map(layer)
+        resident = self.resident_map(layer)
         if resident is not None:  # nothing to fetch: the host need not know the routing yet
             return self._all_resident(module, layer, hidden, top_k_index, top_k_weights, residual, resident)
         routes = LayerRoutes(top_k_index)  # the layer's one read of device data
@@ -169,7 +169,7 @@ class OffloadedExperts:
             self._finish_host(on_host)
         return outputs.total(residual)
 
-    def _resident_map(self, layer: int) -> tuple[torch.Tensor, list[int]] | None:
+    def resident_map(self, layer: int) -> tuple[torch.Tensor, list[int]] | None:
         """Each of ``layer``'s experts' slot (on the device, and as a list) when every one is ready in a
         slot; None otherwise. Rebuilt only when the residency changed."""
         cached = self._maps.get(layer)
@@ -189,15 +189,36 @@ class OffloadedExperts:
         next read brings it (``timing/dispatch.py: defer_read``)."""
         self.counters.layers += 1
         dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
+        out = self.resident_experts(module, hidden, top_k_index, top_k_weights, residual, resident[0])
+        self.resident_done(layer, hidden, top_k_index, resident[1], dense_s=dense_s)
+        return out
+
+    def resident_experts(
+        self, module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        residual: torch.Tensor | None, slot_map: torch.Tensor,
+    ) -> torch.Tensor:
+        """A fully resident layer's experts from their slots (``slot_map``: ``resident_map``'s tensor, or
+        a copy of it a CUDA graph holds): a fixed sequence of ops, no read, nothing the host keeps."""
         gate_up, down = self.pool.shape.split_rows(self.pool.storage)
-        slot_map, slots = resident
-        out = resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
-        if self.on_cuda:  # a later copy into any of these slots waits for this layer's kernels
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.pool.device))
+        return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
+
+    def resident_done(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, slots: list[int],
+        event: Any = None, dense_s: float | None = None,
+    ) -> None:
+        """What a fully resident layer's experts leave to the host once their kernels are issued: the
+        clock's dense time (unless charged already: ``dense_s``), the slots marked read (on CUDA, by
+        ``event`` or one recorded now: a later copy into them waits for these kernels), and the
+        routing's bookkeeping when the next read brings it (``timing/dispatch.py: defer_read``)."""
+        if dense_s is None:
+            self.counters.layers += 1
+            dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
+        if self.on_cuda:
+            if event is None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.pool.device))
             self.pool.mark_read(slots, event)
         defer_read(top_k_index, lambda ids: self._settle(layer, ids, dense_s, hidden))
-        return out
 
     def _settle(self, layer: int, ids: Any, dense_s: float, hidden: torch.Tensor) -> None:
         """A fully resident layer's bookkeeping, once its routing is on the host."""

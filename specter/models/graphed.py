@@ -18,6 +18,13 @@ once, but only over buffers whose shapes and addresses never change. So:
   CUDA each piece is captured once per token count (and again when the cache's buffers move) and
   replayed; between pieces the experts run eagerly. With ``capture=False`` (a CPU) the same pieces
   run eagerly, so the tests run the code a GPU captures.
+* While every split layer's experts sit ready in slots (all resident: nothing to fetch, no routing
+  the host must read first), the target's step is not cut: it runs whole, each layer's experts from
+  their slots inside it (``OffloadedExperts.resident_experts``, over a device copy of the slot map),
+  one graph per token count (captured anew when the slot layout differs from the one it holds); the
+  layers' bookkeeping (dense time, slots marked read, the routing's counters when the next read
+  brings it) follows the step on the host. While an expert is away (evicted, or still loading) the
+  step is cut again.
 
 The prompt still takes transformers' forward (into a ``DynamicCache``, then copied in): it runs once
 per request, and its shapes differ every time.
@@ -150,7 +157,9 @@ class StaticKV:
 class _Pieces:
     """One token count's pieces: static inputs, what each piece leaves for the next, their graphs."""
 
-    def __init__(self, tokens: int, device: torch.device):
+    def __init__(self, tokens: int, device: torch.device, slots: tuple[tuple[int, ...], ...] | None = None):
+        self.slots = slots  # a whole step's: each split layer's expert → slot (None: the pieces are cut there)
+        self.maps = [torch.tensor(s, device=device) for s in slots or ()]  # the same on the device (the graph's)
         self.ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
         self.steps = torch.arange(tokens, device=device)
         self.moe: list[torch.Tensor] = []  # per split: the experts' output (residual in it), copied in
@@ -166,8 +175,9 @@ class GraphedStep:
     """``step(tokens (1, T)) -> logits (1, T, V)`` at ``cache.length``, then T positions more.
 
     The step is cut into pieces at each layer whose experts run outside the graph (``split``: the
-    target's, whose executor reads the routing and fetches the misses); the draft's experts are all
-    resident and grouped (no read), so its step is one piece. Each piece is captured once per token
+    target's, whose executor reads the routing and fetches the misses) unless every such layer's
+    experts are all in slots (then it runs whole: ``whole``); the draft's experts are all resident
+    and grouped (no read), so its step is one piece. Each piece is captured once per token
     count (and again when the cache's buffers move) and replayed; between pieces the experts run
     eagerly and their output is copied into the next piece's input buffer.
 
@@ -188,6 +198,8 @@ class GraphedStep:
         self.splits = [i for i, f in enumerate(lean.fused) if split and f.routed]
         self.groups = lean.fused[0].q_heads // lean.fused[0].kv_heads  # query heads per key head
         self.pieces: dict[int, _Pieces] = {}
+        self.whole: dict[int, _Pieces] = {}  # per token count: the step in one piece, experts inside (``_resident``)
+        self._bound: list[tuple[Any, int, Any]] = []  # ``_runners``, once found
         self.captures = 0
         self.cold = 0  # steps that did not replay: a token count's first (eager) and the one that captured
         self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
@@ -213,9 +225,7 @@ class GraphedStep:
         cache, tokens = self.cache, input_ids.shape[1]
         cache.reserve(cache.length + tokens)
         cache.position.fill_(cache.length)
-        pieces = self.pieces.get(tokens)
-        if pieces is None:  # a token count's buffers, made once
-            pieces = self.pieces[tokens] = _Pieces(tokens, cache.device)
+        pieces = self._pieces(tokens, self._resident())
         pieces.ids.copy_(input_ids, non_blocking=True)
         pieces.calls += 1
         graphed = self.capture and pieces.calls >= CAPTURE_AFTER
@@ -224,7 +234,9 @@ class GraphedStep:
             self.cold += 1  # a one-off cost: what a step of this count costs from now on is not this
         if stale:
             graphed = self._try_capture(pieces)
-        for i in range(len(self.splits) + 1):
+        if pieces.slots is not None:
+            self._whole_step(pieces, graphed)
+        for i in range(len(self.splits) + 1 if pieces.slots is None else 0):
             if graphed:
                 pieces.graphs[i].replay()
             elif self.stands_in and pieces.calls >= CAPTURE_AFTER:  # a CPU: what a GPU replays, counted so
@@ -239,6 +251,78 @@ class GraphedStep:
                 fused.routing = routing
         cache.length += tokens
         return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
+
+    def _pieces(self, tokens: int, slots: tuple[tuple[int, ...], ...] | None) -> _Pieces:
+        """The token count's pieces: cut at the split layers, or (``slots``: every split layer's experts
+        ready in those slots) the whole step in one, made anew when the slots are not the ones it holds."""
+        if slots is None:
+            pieces = self.pieces.get(tokens)
+            if pieces is None:  # a token count's buffers, made once
+                pieces = self.pieces[tokens] = _Pieces(tokens, self.cache.device)
+            return pieces
+        pieces = self.whole.get(tokens)
+        if pieces is None or pieces.slots != slots:
+            pieces = self.whole[tokens] = _Pieces(tokens, self.cache.device, slots)
+        return pieces
+
+    def _runners(self) -> list[tuple[Any, int, Any]]:
+        """Per split layer: its experts' runner (``experts/executor.py``), the layer's index there and the
+        experts module; empty where a split layer's experts have no runner (nothing can be resident)."""
+        if self._bound:
+            return self._bound
+        found = []
+        for j in self.splits:
+            experts = self.lean.layers[j].mlp.experts
+            runner = experts.__dict__.get("_specter_runner")
+            if runner is None or not hasattr(runner, "resident_map"):
+                return []
+            found.append((runner, experts.__dict__["_specter_layer"], experts))
+        self._bound = found
+        return found
+
+    def _resident(self) -> tuple[tuple[int, ...], ...] | None:
+        """Each split layer's expert → slot when every split layer's experts are all ready in slots (the
+        whole step then runs as one piece, its experts inside: nothing to fetch, nothing to read);
+        None otherwise (some layer must read its routing and fetch)."""
+        runners = self._runners() if self.splits else []
+        slots = []
+        for runner, layer, _ in runners:
+            found = runner.resident_map(layer)
+            if found is None:
+                return None
+            slots.append(tuple(found[1]))
+        return tuple(slots) if slots else None
+
+    def _whole_step(self, p: _Pieces, graphed: bool) -> None:
+        """The step in one piece (replayed, stood in for, or run), then what its resident layers leave
+        to the host: their dense time, their slots marked read, their routing's bookkeeping."""
+        if graphed:
+            p.graphs[0].replay()
+        elif self.stands_in and p.calls >= CAPTURE_AFTER:
+            with replay():
+                self._whole_pass(p)
+        else:
+            self._whole_pass(p)
+        event = None
+        if self.cache.device.type == "cuda":  # one event for every layer's slots: a later copy waits for it
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.cache.device))
+        for (runner, layer, _), route, slots in zip(self._runners(), p.routes, p.slots or (), strict=True):
+            runner.resident_done(layer, route[0], route[1], list(slots), event)
+
+    def _whole_pass(self, p: _Pieces) -> None:
+        """Every piece, each split layer's experts computed from their slots in between (no read)."""
+        runners = self._runners()
+        for i in range(len(self.splits) + 1):
+            self._piece(p, i)
+            if i < len(self.splits):
+                runner, _, experts = runners[i]
+                flat, ids, weights, residual, _ = p.routes[i]
+                out = runner.resident_experts(experts, flat, ids, weights, residual, p.maps[i])
+                if len(p.moe) > i:
+                    p.moe[i] = out
+                else:
+                    p.moe.append(out)
 
     @torch.inference_mode()
     def prepare(self, counts: Any) -> int:
@@ -257,10 +341,9 @@ class GraphedStep:
         cache.reserve(cache.length + counts[-1])  # before any capture: a reserve that moves the buffers stales them
         cache.position.fill_(cache.length)
         ready = 0
+        slots = self._resident()
         for tokens in counts:
-            pieces = self.pieces.get(tokens)
-            if pieces is None:
-                pieces = self.pieces[tokens] = _Pieces(tokens, cache.device)
+            pieces = self._pieces(tokens, slots)
             if pieces.version == cache.version if self.capture else pieces.calls >= CAPTURE_AFTER - 1:
                 continue  # captured over these buffers (a GPU), or run once (elsewhere): its next step is no one-off
             if not self.capture:
@@ -283,7 +366,11 @@ class GraphedStep:
         return True
 
     def _warm(self, p: _Pieces) -> None:
-        """Every piece once, in order, on the current stream (their experts' input zeros, unused)."""
+        """Every piece once, in order, on the current stream (their experts' input zeros, unused; a
+        whole step's experts run from their slots, their output unused)."""
+        if p.slots is not None:
+            self._whole_pass(p)
+            return
         hidden = self.lean.inner.embed_tokens.weight
         p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
         for i in range(len(self.splits) + 1):
@@ -348,11 +435,11 @@ class GraphedStep:
         pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(side):
             self._warm(p)
-            for i in range(len(self.splits) + 1):
+            for i in range(len(self.splits) + 1 if p.slots is None else 1):
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    self._piece(p, i)
+                    self._whole_pass(p) if p.slots is not None else self._piece(p, i)
                 finally:
                     graph.capture_end()
                 p.graphs.append(graph)

@@ -94,6 +94,11 @@ class ScheduledExperts(OffloadedExperts):
                 _late(key, self.timeout)
             self._used[key] = (slot, self.slots.read(slot)[1])
 
+    def resident_map(self, layer: int) -> None:
+        """Never: a slot's expert is known only from the seq table, read per layer (a whole captured
+        step, ``models/graphed.py``, would compute from slots the transfer actor may be rewriting)."""
+        return None
+
     # -- one MoE layer --------------------------------------------------------------------------
     def forward(
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,

@@ -80,3 +80,27 @@ def test_steps_captured_up_front_stay_token_identical(policy: str) -> None:
     finally:
         target.close()
     assert list(tokens[:NEW]) == expected, policy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_resident_step_captured_whole_equals_transformers(dtype: torch.dtype) -> None:
+    """Every expert resident: ``GraphedStep`` captures the whole step as one CUDA graph, the experts
+    inside it (``_whole_pass``: each layer's experts from their slots, no read), so a step is one
+    launch and the host's bookkeeping. Prepared up front, the request replays it (none cold) and
+    decodes transformers' tokens (fp32; bf16 where margins are clear: the same kernels as the
+    cut steps' resident layers)."""
+    prompt, expected = _expected(DEFAULT_MODEL, dtype)
+    target = OffloadedTarget.load(DEFAULT_MODEL, SlotConfig(fraction=1.0), LinkConfig(kind="cuda"), "demand-lru",
+                                  device="cuda", dtype=dtype)
+    try:
+        engine = Engine(target, None, 0)
+        assert engine.prepare_steps() == 1
+        graphed = target.graphed
+        assert graphed is not None and graphed.failure is None and graphed.captures == 1
+        assert len(graphed.whole[1].graphs) == 1 and not graphed.pieces  # one graph, no cut pieces
+        tokens, stats = engine.generate_fresh(prompt, NEW)
+        assert graphed.captures == 1 and graphed.cold == 0 and not graphed.pieces
+        assert stats.extra["host_reads"] <= NEW  # a read a step at most (the routing's bookkeeping, the token)
+    finally:
+        target.close()
+    assert list(tokens[:NEW]) == expected, dtype

@@ -200,6 +200,7 @@ class GraphedStep:
         self.pieces: dict[int, _Pieces] = {}
         self.whole: dict[int, _Pieces] = {}  # per token count: the step in one piece, experts inside (``_resident``)
         self._bound: list[tuple[Any, int, Any]] = []  # ``_runners``, once found
+        self._resident_at: tuple[tuple[Any, ...], Any] | None = None  # ``_resident``'s last answer, by slot pool version
         self.captures = 0
         self.cold = 0  # steps that did not replay: a token count's first (eager) and the one that captured
         self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
@@ -285,13 +286,18 @@ class GraphedStep:
         whole step then runs as one piece, its experts inside: nothing to fetch, nothing to read);
         None otherwise (some layer must read its routing and fetch)."""
         runners = self._runners() if self.splits else []
-        slots = []
+        versions = tuple(getattr(getattr(r, "pool", None), "version", None) for r in {id(r): r for r, _, _ in runners}.values())
+        if self._resident_at is not None and self._resident_at[0] == versions and None not in versions:
+            return self._resident_at[1]  # no slot changed since the last step: the same answer
+        slots: list[tuple[int, ...]] = []
         for runner, layer, _ in runners:
             found = runner.resident_map(layer)
             if found is None:
-                return None
+                slots = []
+                break
             slots.append(tuple(found[1]))
-        return tuple(slots) if slots else None
+        self._resident_at = (versions, tuple(slots) if slots else None)
+        return self._resident_at[1]
 
     def _whole_step(self, p: _Pieces, graphed: bool) -> None:
         """The step in one piece (replayed, stood in for, or run), then what its resident layers leave

@@ -11,7 +11,9 @@ library handles, lazily loaded modules), interleaved (every setting once per rep
 differing per repeat), with medians over ``--repeats``:
 
 * ``transformers``: transformers' own ``generate``, every expert resident;
-* ``engine``: Specter's engine, every expert resident (budget 1.0, demand-lru);
+* ``engine``: Specter's engine, every expert resident (budget 1.0, demand-lru): its step runs whole,
+  one graph with the experts inside; ``engine-cut``: the same step cut at each MoE layer with the
+  experts eager between the graphs, as an offloaded step runs (``GraphedStep.runs_whole`` off);
 * ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %);
 * ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
   steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target;
@@ -154,7 +156,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     build_synthetic(shape, folder / "target", layers=layers, gain=gain, shrink=SMOKE_SHRINK[shape] if args.smoke else 1,
                     dtype=dtype, device=device)
     quantize_model(str(folder / "target"), str(folder / "draft"), method="rtn", progress=False)
-    settings = [("transformers", 1.0), ("engine", 1.0), ("engine-eager", 1.0)]
+    settings = [("transformers", 1.0), ("engine", 1.0), ("engine-cut", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
     runner = Runner(folder, device, dtype, cuda, step="static" if args.static else "auto")
@@ -282,12 +284,16 @@ class Runner:
 
         eager = policy.endswith("-eager")  # the lean steps without graphs (a CPU's default), for the ratio
         policy = policy.removesuffix("-eager")
+        cut = policy.endswith("-cut")  # the resident step cut at each MoE layer, as an offloaded one runs
+        policy = policy.removesuffix("-cut")
         int4 = policy.endswith("-int4")  # the draft's experts in int4, gathered per step
         policy = policy.removesuffix("-int4")
         name = "demand-lru" if policy == "engine" else policy
         target = OffloadedTarget.load(self.folder / "target", SlotConfig(fraction=budget), self.link, name,
                                       device=self.device, dtype=self.dtype, step="eager" if eager else self.step)
         try:
+            if target.graphed is not None:
+                target.graphed.runs_whole = not cut
             window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
             prepared = engine.prepare_steps()  # every token count a round can use captured now, not in the timed run
@@ -297,6 +303,7 @@ class Runner:
             cold = engine.cold_steps() - cold  # steps of the timed run that ran a count first or captured: 0 here
             layers = self.moe_layers = len(target.loaded.moe_layers)
             graphs = target.graphed.captures if target.graphed is not None else 0
+            whole = bool(target.graphed.whole) if target.graphed is not None else False
             failure = target.graphed.failure if target.graphed is not None else None
         finally:
             target.close()
@@ -307,7 +314,7 @@ class Runner:
         spec, plain = stats.extra.get("rounds", 0), stats.extra.get("plain_rounds", 0)
         window = stats.extra.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0
         return {"tpot_ms": stats.tpot_s * 1e3, "tokens": tokens, "hit_rate": stats.hit_rate, "graphs": graphs,
-                "prepared": prepared, "cold_steps": cold,
+                "prepared": prepared, "cold_steps": cold, "whole": whole,
                 "accepted": stats.extra.get("mean_accepted", 0.0), "window": window,
                 "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                 "link_busy": stats.link_busy_fraction,

@@ -30,7 +30,8 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         # the int4 draft where the kernel takes the shrunk shapes (Mixtral's; Qwen's intermediate 88 is not
         # a multiple of 32)
         int4 = {"specter-paper-int4@0.25", "specter-int4@0.25"} if shape == "mixtral-8x7b" else set()
-        assert set(block["summary"]) == names | eager | processes | int4 | {"transformers@1", "engine@1"}
+        resident = {"transformers@1", "engine@1", "engine-cut@1"}
+        assert set(block["summary"]) == names | eager | processes | int4 | resident
         assert ("int4 static" in block["draft_step"]) == bool(int4)
         for name in processes:
             assert block["summary"][name]["vs_in_process"] > 0
@@ -67,7 +68,8 @@ def test_the_gpu_bench_on_the_pieces_a_gpu_graphs_prepares_every_step_shape_firs
     """``--static``: the steps after the prompt through the static pieces (what a GPU replays as CUDA
     graphs, run eagerly). Every graphed run makes its token counts ready first (``prepared`` > 0), its
     timed request then runs no step shape for the first time (``cold_steps`` 0), and its tokens are still
-    transformers'; the eager rows prepare nothing."""
+    transformers'; the eager rows prepare nothing. The resident ``engine`` row's step ran whole (one piece,
+    experts inside), ``engine-cut``'s and every offloaded row's cut at each MoE layer."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--static", "--shapes",
                            "mixtral-8x7b", "--budgets", "0.25", "--processes", "", "--out", str(tmp_path)],
@@ -83,4 +85,5 @@ def test_the_gpu_bench_on_the_pieces_a_gpu_graphs_prepares_every_step_shape_firs
         assert run["tokens"] == reference, name
         assert run["cold_steps"] == 0, name
         assert (run["prepared"] > 0) == ("-eager" not in name), name
+        assert run["whole"] == (name == "engine@1"), name
     assert block["summary"]["specter@0.25"]["chooser"]["cold"] == 0

@@ -199,6 +199,7 @@ class GraphedStep:
         self.groups = lean.fused[0].q_heads // lean.fused[0].kv_heads  # query heads per key head
         self.pieces: dict[int, _Pieces] = {}
         self.whole: dict[int, _Pieces] = {}  # per token count: the step in one piece, experts inside (``_resident``)
+        self.runs_whole = split  # False: the step stays cut even when all is resident (the GPU bench's ``engine-cut``)
         self._bound: list[tuple[Any, int, Any]] = []  # ``_runners``, once found
         self._resident_at: tuple[tuple[Any, ...], Any] | None = None  # ``_resident``'s last answer, by slot pool version
         self.captures = 0
@@ -285,7 +286,7 @@ class GraphedStep:
         """Each split layer's expert → slot when every split layer's experts are all ready in slots (the
         whole step then runs as one piece, its experts inside: nothing to fetch, nothing to read);
         None otherwise (some layer must read its routing and fetch)."""
-        runners = self._runners() if self.splits else []
+        runners = self._runners() if self.splits and self.runs_whole else []
         versions = tuple(getattr(getattr(r, "pool", None), "version", None) for r in {id(r): r for r, _, _ in runners}.values())
         if self._resident_at is not None and self._resident_at[0] == versions and None not in versions:
             return self._resident_at[1]  # no slot changed since the last step: the same answer

@@ -18,7 +18,7 @@ store blob instead, while the device runs the rest; the layer ends when both are
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -203,7 +203,7 @@ class OffloadedExperts:
         return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
 
     def resident_done(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, slots: list[int],
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, slots: Sequence[int],
         event: Any = None, dense_s: float | None = None,
     ) -> None:
         """What a fully resident layer's experts leave to the host once their kernels are issued: the

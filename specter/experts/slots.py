@@ -151,7 +151,7 @@ class SlotPool:
         if event is not None:
             self.last_use[slot] = event
 
-    def mark_read(self, slots: list[int], event: Any) -> None:
+    def mark_read(self, slots: Iterable[int], event: Any) -> None:
         """A compute that read ``slots`` without pinning them (a fully resident layer) ends at ``event``."""
         for slot in slots:
             self.last_use[slot] = event

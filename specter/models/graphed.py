@@ -201,7 +201,7 @@ class GraphedStep:
         self.whole: dict[int, _Pieces] = {}  # per token count: the step in one piece, experts inside (``_resident``)
         self.runs_whole = split  # False: the step stays cut even when all is resident (the GPU bench's ``engine-cut``)
         self._bound: list[tuple[Any, int, Any]] = []  # ``_runners``, once found
-        self._resident_at: tuple[tuple[Any, ...], Any] | None = None  # ``_resident``'s last answer, by slot pool version
+        self._resident_at: tuple[tuple[int, ...], Any] | None = None  # ``_resident``'s last answer, by slot pool version
         self.captures = 0
         self.cold = 0  # steps that did not replay: a token count's first (eager) and the one that captured
         self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
@@ -287,8 +287,8 @@ class GraphedStep:
         whole step then runs as one piece, its experts inside: nothing to fetch, nothing to read);
         None otherwise (some layer must read its routing and fetch)."""
         runners = self._runners() if self.splits and self.runs_whole else []
-        versions = tuple(getattr(getattr(r, "pool", None), "version", None) for r in {id(r): r for r, _, _ in runners}.values())
-        if self._resident_at is not None and self._resident_at[0] == versions and None not in versions:
+        versions = tuple(runner.pool.version for runner, _, _ in runners)
+        if self._resident_at is not None and self._resident_at[0] == versions:
             return self._resident_at[1]  # no slot changed since the last step: the same answer
         slots: list[tuple[int, ...]] = []
         for runner, layer, _ in runners:
@@ -315,7 +315,7 @@ class GraphedStep:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.cache.device))
         for (runner, layer, _), route, slots in zip(self._runners(), p.routes, p.slots or (), strict=True):
-            runner.resident_done(layer, route[0], route[1], list(slots), event)
+            runner.resident_done(layer, route[0], route[1], slots, event)
 
     def _whole_pass(self, p: _Pieces) -> None:
         """Every piece, each split layer's experts computed from their slots in between (no read)."""

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2MoeConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
-from specter.experts.grouped import LayerRoutes, PairOutputs, grouped_linear
+from specter.experts.grouped import LayerRoutes, PairOutputs, grouped_linear, planned_pairs, weighted_sum
 from specter.experts.store import ExpertShape
 from specter.timing.dispatch import DispatchCount
 
@@ -62,6 +62,54 @@ def test_grouped_calls_equal_the_eager_loop(tokens, experts, top_k):
     for e in host:
         outputs.from_blob(e, module.gate_up_proj[e].detach(), module.down_proj[e].detach())
     torch.testing.assert_close(outputs.total(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_padded_plans_fill_a_layer_in_calls_of_one_shape(kernel):
+    """What a graphed step's slot graph replays (``planned_pairs`` over a padded ``PairOutputs.plan``):
+    the ready experts, then each late one, then one from the host, every call of the same shapes;
+    each call writes its experts' rows and no other (the rest stay as they were: NaN here), and the
+    layer's output is transformers' eager loop's. ``kernel`` False: the fallback without ``grouped_mm``."""
+    from specter.experts import grouped
+
+    module = _experts(12, 16, 12, seed=3)
+    generator = torch.Generator().manual_seed(3)
+    tokens, top_k = 5, 3
+    hidden = torch.randn(tokens, 16, generator=generator)
+    weights, index = torch.rand(tokens, 12, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    with torch.no_grad():
+        expected = module(hidden, index, weights)
+    routes = LayerRoutes(index)
+    slot_ids = torch.randperm(20, generator=generator).tolist()
+    slot_of = {e: slot_ids[i] for i, e in enumerate(routes.needed)}
+    storage, shape = _pool(module, slot_of, 20)
+    gate_up, down = shape.split_rows(storage)
+    buffer = torch.full((tokens * top_k + 1, 16), float("nan"))  # the pairs, then the scratch row
+    outputs = PairOutputs(hidden, routes, weights, module.act_fn, buffer[:-1])
+    needed = routes.needed
+    host, late, ready = needed[:1], needed[1:3], needed[3:]
+    before = dict(grouped._GROUPED_OK)
+    if not kernel:
+        grouped._GROUPED_OK[("cpu", torch.float32)] = False
+    try:
+        plans = []
+        for group in (ready, *[[e] for e in late]):
+            plan = outputs.plan({e: slot_of[e] for e in group}, 20, padded=True)
+            plans.append(plan)
+            planned_pairs(hidden, torch.from_numpy(plan), gate_up, down, module.act_fn, buffer)
+            done = set(ready) | {e for g in [[e] for e in late][: len(plans) - 1] for e in g}
+            filled = ~torch.isnan(buffer[:-1]).any(dim=-1)
+            assert filled.tolist() == [e in done for e in index.reshape(-1).tolist()]
+    finally:
+        grouped._GROUPED_OK.clear()
+        grouped._GROUPED_OK.update(before)
+    assert len({plan.shape for plan in plans}) == 1 and plans[0].shape == (2 * tokens * top_k + 20,)
+    for e in host:
+        outputs.from_blob(e, module.gate_up_proj[e].detach(), module.down_proj[e].detach())
+    total = weighted_sum(buffer[:-1].view(tokens, top_k, -1), weights, None)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"out: expected the layer's \(15, 16\) pair outputs"):
+        PairOutputs(hidden, routes, weights, module.act_fn, buffer)
 
 
 def test_a_resident_layer_is_a_few_ops_and_one_read():

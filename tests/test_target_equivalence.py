@@ -80,23 +80,26 @@ def test_experts_are_never_materialized_fused(tiny_dir):
 def test_the_pieces_a_gpu_graphs_decode_as_transformers_generate(family, tiny_dir):
     """``step="static"``: the target's steps after the prompt as the pieces a GPU captures
     (``models/graphed.py``: dense parts over a fixed-capacity cache, experts between pieces), run
-    eagerly — at every budget the greedy tokens are transformers'; a capacity of 4 positions makes
-    the cache double while decoding."""
+    eagerly — at every budget the greedy tokens are transformers', with the experts in slots computed
+    by the slot graphs between pieces and without them; a capacity of 4 positions makes the cache
+    double while decoding."""
     folder = tiny_dir(family)
     ref = _reference(folder)
     out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    for budget in ("1.0", "min"):
+    for budget, slot_graphs in (("1.0", True), ("min", True), ("min", False)):
         target = OffloadedTarget.load(folder, _budget(budget, ref), FAST_LINK, step="static")
         assert target.graphed is not None and target.graphed.splits
         target.graphed.cache = StaticKV.for_model(target.model, capacity=4)
+        target.graphed.slot_graphs = slot_graphs
         try:
             tokens, _ = generate(target, PROMPT, NEW)
         finally:
             target.close()
-        assert tokens == out[0, len(PROMPT):].tolist(), f"{family} at budget {budget}"
+        assert tokens == out[0, len(PROMPT):].tolist(), f"{family} at budget {budget}, slot graphs {slot_graphs}"
         assert target.graphed.cache.capacity == 32
         # every expert resident: the step in one piece, its experts inside; offloaded: cut at each layer
         assert bool(target.graphed.whole) == (budget == "1.0") and bool(target.graphed.pieces) == (budget == "min")
+        assert all(pieces.inside == slot_graphs for pieces in target.graphed.pieces.values())
 
 
 @pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))

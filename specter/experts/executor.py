@@ -21,11 +21,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from specter.bound import LayerUse, Trace
 from specter.config import HostConfig
-from specter.experts.grouped import LayerRoutes, PairOutputs, resident_experts
+from specter.experts.grouped import LayerRoutes, PairOutputs, planned_pairs, resident_experts
 from specter.experts.host import HostCompute
 from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer
 from specter.experts.slots import ChooseVictim, Key, SlotPool
@@ -36,9 +37,13 @@ from specter.stats import OffloadCounters
 from specter.timing.clock import WallClock
 from specter.timing.dispatch import defer_read
 
+FromSlots = Callable[[np.ndarray], None]  # computes the pairs a padded ``PairOutputs.plan`` names, from slots
+
 
 class OffloadedExperts:
     """The target's routed experts: host store + device slots + link + policy, on one clock."""
+
+    slot_graphs = True  # a graphed step cut at a layer may compute its experts in slots by graphs (``finish_layer``)
 
     def __init__(
         self, store: ExpertStore, pool: SlotPool, link: Link, policy: Policy, timeout: float = 60.0,
@@ -126,6 +131,25 @@ class OffloadedExperts:
         resident = self.resident_map(layer)
         if resident is not None:  # nothing to fetch: the host need not know the routing yet
             return self._all_resident(module, layer, hidden, top_k_index, top_k_weights, residual, resident)
+        return self._layer(module, layer, hidden, top_k_index, top_k_weights).total(residual)
+
+    def finish_layer(
+        self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        pairs: torch.Tensor, from_slots: FromSlots,
+    ) -> None:
+        """``forward``'s work for a graphed step cut at this layer (``models/graphed.py``): every pair's
+        output into ``pairs`` (``(T·k, H)``, the buffer the next piece sums), the experts in slots
+        computed by ``from_slots(plan)`` (a padded ``PairOutputs.plan``; a graph that the step captured
+        once, replayed for each group of them: the ready ones, then each group that lands) rather
+        than by ops issued here."""
+        self._layer(module, layer, hidden, top_k_index, top_k_weights, pairs, from_slots)
+
+    def _layer(
+        self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        out: torch.Tensor | None = None, from_slots: FromSlots | None = None,
+    ) -> PairOutputs:
+        """One layer's pair outputs (into ``out`` when given): the routing read, the hits computed at
+        once, the misses fetched and computed as they land (``from_slots`` computes those in slots)."""
         routes = LayerRoutes(top_k_index)  # the layer's one read of device data
         needed = routes.needed
         self.last_needed[layer] = needed
@@ -135,7 +159,7 @@ class OffloadedExperts:
             self._record(layer, dense_s, routes)
         self.policy.before_layer(layer, hidden, needed)
         keys = [(layer, e) for e in needed]
-        outputs = PairOutputs(hidden, routes, top_k_weights, module.act_fn)  # type: ignore[arg-type]
+        outputs = PairOutputs(hidden, routes, top_k_weights, module.act_fn, out)
         ready, pending, missing = self._classify(keys)
         on_host = self._split_host(pending, missing, routes)
         for transfer in filter(None, map(self.pool.transfer_of, pending)):
@@ -147,10 +171,10 @@ class OffloadedExperts:
         self._issue(queue, pending, protect)
         if queue and ready:  # no slot for some misses: free as many by computing that many hits first
             first, ready = ready[: len(queue)], ready[len(queue) :]
-            self._run(outputs, first, routes)
+            self._run(outputs, first, routes, from_slots)
             protect.difference_update(first)
             self._issue(queue, pending, protect)
-        self._run(outputs, ready, routes)  # the (other) resident hits in one grouped call
+        self._run(outputs, ready, routes, from_slots)  # the (other) resident hits in one grouped call
         protect.difference_update(ready)
         self._issue(queue, pending, protect)
         while queue or pending:
@@ -162,12 +186,12 @@ class OffloadedExperts:
             key = pending.popleft()
             self.wait(key)
             landed = [key, *self._take_landed(pending)]  # computed together: one call, not one each
-            self._run(outputs, landed, routes)
+            self._run(outputs, landed, routes, from_slots)
             protect.difference_update(landed)
             self._issue(queue, pending, protect)
         if on_host:
             self._finish_host(on_host)
-        return outputs.total(residual)
+        return outputs
 
     def resident_map(self, layer: int) -> tuple[torch.Tensor, list[int]] | None:
         """Each of ``layer``'s experts' slot (on the device, and as a list) when every one is ready in a
@@ -201,6 +225,12 @@ class OffloadedExperts:
         a copy of it a CUDA graph holds): a fixed sequence of ops, no read, nothing the host keeps."""
         gate_up, down = self.pool.shape.split_rows(self.pool.storage)
         return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
+
+    def planned_pairs(self, module: Any, hidden: torch.Tensor, plan: torch.Tensor, out: torch.Tensor) -> None:
+        """The pairs a padded ``PairOutputs.plan`` names, from their slots into ``out`` (``(T·k + 1, H)``,
+        the last a scratch row): what ``finish_layer``'s ``from_slots`` replays as a graph."""
+        gate_up, down = self.pool.shape.split_rows(self.pool.storage)
+        planned_pairs(hidden, plan, gate_up, down, module.act_fn, out)
 
     def resident_done(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, slots: Sequence[int],
@@ -360,11 +390,17 @@ class OffloadedExperts:
             self.pool.pin(key)
             pending.append(key)
 
-    def _run(self, outputs: PairOutputs, keys: list[Key], routes: LayerRoutes) -> None:
-        """``keys``' pairs from their slots in one grouped call; then their slots are unpinned."""
+    def _run(self, outputs: PairOutputs, keys: list[Key], routes: LayerRoutes, from_slots: FromSlots | None = None,
+             ) -> None:
+        """``keys``' pairs from their slots in one grouped call (``from_slots``'s when given); then their
+        slots are unpinned."""
         if not keys:
             return
-        outputs.from_slots(self.pool.storage, self.pool.shape, {e: self.pool.where[(layer, e)] for layer, e in keys})
+        slot_of = {e: self.pool.where[(layer, e)] for layer, e in keys}
+        if from_slots is None:
+            outputs.from_slots(self.pool.storage, self.pool.shape, slot_of)
+        else:
+            from_slots(outputs.plan(slot_of, self.pool.num_slots, padded=True))
         for key in keys:
             self.clock.charge_expert(routes.count(key[1]))
         event = None

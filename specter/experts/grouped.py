@@ -74,32 +74,43 @@ class PairOutputs:
         routes: the layer's routing on the host.
         weights: the routing weights ``(T, k)``.
         act_fn: the experts' activation (``module.act_fn``).
+        out: ``(T·k, H)`` where the pair outputs go (default a new tensor): a graphed step's buffer.
     """
 
     def __init__(self, hidden: torch.Tensor, routes: LayerRoutes, weights: torch.Tensor,
-                 act_fn: Callable[[torch.Tensor], torch.Tensor]):
+                 act_fn: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor | None = None):
         self.hidden = hidden
         self.routes = routes
         self.weights = weights
         self.act_fn = act_fn
-        self.out = hidden.new_empty(routes.tokens * routes.k, hidden.shape[-1])
+        shape = (routes.tokens * routes.k, hidden.shape[-1])
+        if out is not None and tuple(out.shape) != shape:
+            raise ValueError(f"out: expected the layer's {shape} pair outputs, got {tuple(out.shape)}")
+        self.out = hidden.new_empty(shape) if out is None else out
+
+    def plan(self, slot_of: dict[int, int], groups: int, padded: bool = False) -> np.ndarray:
+        """What one grouped call over ``groups`` slots computes for the experts in ``slot_of`` (expert →
+        slot), as int32: each pair's token row, then its pair row (sorted by slot), then each slot's
+        cumulative row count. ``padded``: the same length for any ``slot_of`` (``2·T·k + groups``: a
+        captured graph's input, ``planned_pairs``), the rows past the pairs being token 0's, written to
+        the scratch row ``T·k`` (computed by no group: the grouped matmuls leave them alone)."""
+        pairs, slots = self.routes.pairs_by_slot(slot_of)
+        k, n = self.routes.k, len(pairs)
+        ends = np.cumsum(np.bincount(slots, minlength=groups))
+        tokens, rows = pairs // k, pairs
+        if padded:
+            total = self.routes.tokens * k
+            tokens = np.concatenate([tokens, np.zeros(total - n, dtype=np.int64)])
+            rows = np.concatenate([rows, np.full(total - n, total, dtype=np.int64)])
+        return np.concatenate([tokens, rows, ends]).astype(np.int32)
 
     def from_slots(self, storage: torch.Tensor, shape: ExpertShape, slot_of: dict[int, int]) -> None:
         """Compute the pairs of the experts in ``slot_of`` (expert → slot of ``storage``), in one call."""
         if not slot_of:
             return
-        pairs, slots = self.routes.pairs_by_slot(slot_of)
-        k = self.routes.k
-        ends = np.cumsum(np.bincount(slots, minlength=storage.shape[0]))
-        plan = torch.from_numpy(np.concatenate([pairs // k, pairs, ends]).astype(np.int32))
-        plan = plan.to(self.hidden.device, non_blocking=True)
-        n = len(pairs)
-        tokens, rows, offs = plan[:n], plan[n : 2 * n], plan[2 * n :]
+        plan = torch.from_numpy(self.plan(slot_of, storage.shape[0])).to(self.hidden.device, non_blocking=True)
         gate_up, down = shape.split_rows(storage)
-        x = self.hidden.index_select(0, tokens)
-        gate, up = grouped_linear(x, gate_up, offs).chunk(2, dim=-1)
-        y = grouped_linear(self.act_fn(gate) * up, down, offs)
-        self.out.index_put_((rows,), y)
+        planned_pairs(self.hidden, plan, gate_up, down, self.act_fn, self.out)
 
     def from_blob(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Compute ``expert``'s pairs from its own weights (a host-computed expert's blob)."""
@@ -151,6 +162,22 @@ def resident_experts(
     return weighted_sum(pairs.view(tokens, k, -1), top_k_weights, residual)
 
 
+def planned_pairs(
+    hidden: torch.Tensor, plan: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor,
+) -> None:
+    """The pairs a ``PairOutputs.plan`` names (on the device: token rows, pair rows, then the ``G``
+    slots' ends), computed from the slots ``gate_up`` ``(G, 2I, H)`` and ``down`` ``(G, H, I)`` into
+    their rows of ``out``: rows gathered, one grouped matmul each for gate_up and down, rows put
+    back. A padded plan (``out`` has its scratch row then) keeps the shapes of every call the same."""
+    n = (plan.shape[0] - gate_up.shape[0]) // 2
+    tokens, rows, ends = plan[:n], plan[n : 2 * n], plan[2 * n :]
+    x = hidden.index_select(0, tokens)
+    gate, up = grouped_linear(x, gate_up, ends).chunk(2, dim=-1)
+    y = grouped_linear(act_fn(gate) * up, down, ends)
+    out.index_put_((rows,), y)
+
+
 def weighted_sum(pairs: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """``(T, k, H)`` pair outputs times ``(T, k)`` weights summed over k, plus ``residual`` (one op)."""
     row = weights.unsqueeze(1).to(pairs.dtype)
@@ -184,9 +211,11 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -
     Args:
         x: ``(n, in)`` rows sorted by group.
         weights: ``(G, out, in)``, one matrix per group (the slot pool's views).
-        ends: ``(G,)`` int32, the cumulative row count at the end of each group.
+        ends: ``(G,)`` int32, the cumulative row count at the end of each group; rows past the
+            last end belong to no group, and their output rows are left undefined.
     """
     if has_grouped_mm(x.device, x.dtype):
         return F.grouped_mm(x, weights.transpose(1, 2), offs=ends)
     group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device, dtype=ends.dtype), right=True)
+    group = group.clamp_(max=weights.shape[0] - 1)  # rows past the last group (a padded plan's): not used
     return torch.bmm(weights.index_select(0, group), x.unsqueeze(-1)).squeeze(-1)

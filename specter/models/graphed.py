@@ -36,9 +36,11 @@ import logging
 import traceback
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
+from specter.experts.grouped import weighted_sum
 from specter.models.decode import _experts_with_residual, _rms
 from specter.models.routing import Routing
 from specter.timing.dispatch import replay
@@ -160,6 +162,12 @@ class _Pieces:
     def __init__(self, tokens: int, device: torch.device, slots: tuple[tuple[int, ...], ...] | None = None):
         self.slots = slots  # a whole step's: each split layer's expert → slot (None: the pieces are cut there)
         self.maps = [torch.tensor(s, device=device) for s in slots or ()]  # the same on the device (the graph's)
+        # cut pieces whose split layers' experts in slots are computed by graphs too (``GraphedStep.slot_graphs``),
+        # per split: the plan the graph reads (``PairOutputs.plan``, padded), the pair outputs, the graph
+        self.inside = False
+        self.plans: list[torch.Tensor] = []
+        self.pairs: list[torch.Tensor] = []
+        self.slot_graphs: list[Any] = []
         self.ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
         self.steps = torch.arange(tokens, device=device)
         self.moe: list[torch.Tensor] = []  # per split: the experts' output (residual in it), copied in
@@ -178,8 +186,12 @@ class GraphedStep:
     target's, whose executor reads the routing and fetches the misses) unless every such layer's
     experts are all in slots (then it runs whole: ``whole``); the draft's experts are all resident
     and grouped (no read), so its step is one piece. Each piece is captured once per token
-    count (and again when the cache's buffers move) and replayed; between pieces the experts run
-    eagerly and their output is copied into the next piece's input buffer.
+    count (and again when the cache's buffers move) and replayed. Between pieces the host reads the
+    split layer's routing and fetches what is missing; the experts in slots are computed by a graph
+    of their own (``slot_graphs``: one per split layer and token count, replayed for the ready
+    experts and again for each group that lands, over a map of experts → slots copied in first),
+    the rest eagerly (the host's), all into the pair outputs the next piece sums. Without it the
+    experts run eagerly and their output is copied into the next piece's input buffer.
 
     Args:
         lean: a fused ``LeanStep`` of the model (every routed layer's projections fused).
@@ -200,6 +212,7 @@ class GraphedStep:
         self.pieces: dict[int, _Pieces] = {}
         self.whole: dict[int, _Pieces] = {}  # per token count: the step in one piece, experts inside (``_resident``)
         self.runs_whole = split  # False: the step stays cut even when all is resident (the GPU bench's ``engine-cut``)
+        self.slot_graphs = split  # False: a cut step's experts all run eagerly between pieces (``engine-cut``)
         self._bound: list[tuple[Any, int, Any]] = []  # ``_runners``, once found
         self._resident_at: tuple[tuple[int, ...], Any] | None = None  # ``_resident``'s last answer, by slot pool version
         self.captures = 0
@@ -258,14 +271,31 @@ class GraphedStep:
         """The token count's pieces: cut at the split layers, or (``slots``: every split layer's experts
         ready in those slots) the whole step in one, made anew when the slots are not the ones it holds."""
         if slots is None:
+            runners = self._runners() if self.slot_graphs else []
+            inside = bool(runners) and all(runner.slot_graphs for runner, _, _ in runners)
             pieces = self.pieces.get(tokens)
-            if pieces is None:  # a token count's buffers, made once
+            if pieces is None or pieces.inside != inside:  # a token count's buffers, made once
                 pieces = self.pieces[tokens] = _Pieces(tokens, self.cache.device)
+                if inside:
+                    self._inside(pieces, tokens, runners)
             return pieces
         pieces = self.whole.get(tokens)
         if pieces is None or pieces.slots != slots:
             pieces = self.whole[tokens] = _Pieces(tokens, self.cache.device, slots)
         return pieces
+
+    def _inside(self, p: _Pieces, tokens: int, runners: list[tuple[Any, int, Any]]) -> None:
+        """``p``'s buffers for the slot graphs: per split, a plan that computes nothing (every pair to the
+        scratch row, every slot's group empty) and the pair outputs (a row per token and top-k
+        position, and the scratch row)."""
+        p.inside = True
+        hidden = self.lean.inner.embed_tokens.weight
+        for (runner, _, _), j in zip(runners, self.splits, strict=True):
+            pairs = tokens * self.lean.fused[j].top_k
+            plan = torch.zeros(2 * pairs + runner.pool.num_slots, dtype=torch.int32, device=hidden.device)
+            plan[pairs : 2 * pairs] = pairs
+            p.plans.append(plan)
+            p.pairs.append(hidden.new_zeros(pairs + 1, hidden.shape[1]))
 
     def _runners(self) -> list[tuple[Any, int, Any]]:
         """Per split layer: its experts' runner (``experts/executor.py``), the layer's index there and the
@@ -382,6 +412,9 @@ class GraphedStep:
         p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
         for i in range(len(self.splits) + 1):
             self._piece(p, i)
+            if p.inside and i < len(self.splits):  # from whatever plan it held: the sum takes zeros
+                self._slot_pass(p, i)
+                p.pairs[i].zero_()
 
     def _piece(self, p: _Pieces, i: int) -> None:
         """Piece ``i``: from the experts' output of split ``i - 1`` (or the token embedding) through the
@@ -397,7 +430,12 @@ class GraphedStep:
             start = 0
         else:
             layer = self.splits[i - 1]
-            out = lean.fused[layer].combine(lean.layers[layer].mlp, p.moe[i - 1], p.routes[i - 1][4])
+            if p.inside:  # the split layer's pair outputs, weighted and summed over top-k, the residual in
+                _, ids, weights, residual, _ = p.routes[i - 1]
+                moe = weighted_sum(p.pairs[i - 1][:-1].view(*ids.shape, -1), weights, residual)
+            else:
+                moe = p.moe[i - 1]
+            out = lean.fused[layer].combine(lean.layers[layer].mlp, moe, p.routes[i - 1][4])
             hidden, start = out.view(1, *out.shape), layer + 1
         self.cache.write_at = p.positions
         for j in range(start, len(lean.layers)):
@@ -417,8 +455,14 @@ class GraphedStep:
         p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
 
     def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:
-        """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input."""
+        """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input: with slot
+        graphs, into the pair outputs it sums, those in slots by replays of the split's slot graph."""
         flat, ids, weights, residual, _ = p.routes[i]
+        if p.inside:
+            runner, layer, experts = self._runners()[i]
+            from_slots = lambda plan: self._from_slots(p, i, plan, graphed)  # noqa: E731
+            runner.finish_layer(experts, layer, flat, ids, weights, p.pairs[i][:-1], from_slots)
+            return
         out = _experts_with_residual(self.lean.layers[self.splits[i]].mlp.experts, flat, ids, weights, residual)
         if graphed:  # into the buffer the next piece's graph reads
             p.moe[i].copy_(out)
@@ -426,6 +470,25 @@ class GraphedStep:
             p.moe[i] = out
         else:
             p.moe.append(out)
+
+    def _from_slots(self, p: _Pieces, i: int, plan: np.ndarray, graphed: bool) -> None:
+        """Split ``i``'s pairs that ``plan`` names (a padded ``PairOutputs.plan``) into its pair outputs:
+        the plan copied into the buffer the slot graph reads (one host-to-device copy, no sync), then
+        the graph replayed (stood in for, or run)."""
+        host = torch.from_numpy(plan)
+        p.plans[i].copy_(host.pin_memory() if p.plans[i].is_cuda else host, non_blocking=True)
+        if graphed:
+            p.slot_graphs[i].replay()
+        elif self.stands_in and p.calls >= CAPTURE_AFTER:
+            with replay():
+                self._slot_pass(p, i)
+        else:
+            self._slot_pass(p, i)
+
+    def _slot_pass(self, p: _Pieces, i: int) -> None:
+        """Split ``i``'s slot graph: the pairs its plan names, from their slots."""
+        runner, _, experts = self._runners()[i]
+        runner.planned_pairs(experts, p.routes[i][0], p.plans[i], p.pairs[i])
 
     def _capture(self, p: _Pieces) -> None:
         """Warm up on a side stream (kernel choices, workspaces, lazily made buffers), then capture
@@ -436,7 +499,7 @@ class GraphedStep:
         Capturing is thread-local: the link's thread goes on copying meanwhile. ``torch.cuda.graph``'s
         own entry (a device sync, a garbage collection, emptying the cache) is skipped: a capture
         per token count would cost more than the steps it saves."""
-        p.graphs = []
+        p.graphs, p.slot_graphs = [], []
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         pool = torch.cuda.graph_pool_handle()
@@ -450,6 +513,14 @@ class GraphedStep:
                 finally:
                     graph.capture_end()
                 p.graphs.append(graph)
+                if p.inside and i < len(self.splits):  # the split's slot graph replays between pieces
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        self._slot_pass(p, i)
+                    finally:
+                        graph.capture_end()
+                    p.slot_graphs.append(graph)
         torch.cuda.current_stream().wait_stream(side)
         p.routing = [f.routing for f in self.lean.fused]
         p.version = self.cache.version

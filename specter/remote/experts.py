@@ -94,6 +94,8 @@ class ScheduledExperts(OffloadedExperts):
                 _late(key, self.timeout)
             self._used[key] = (slot, self.slots.read(slot)[1])
 
+    slot_graphs = False  # each layer's experts run in its own forward, each slot pinned in the seq table first
+
     def resident_map(self, layer: int) -> None:
         """Never: a slot's expert is known only from the seq table, read per layer (a whole captured
         step, ``models/graphed.py``, would compute from slots the transfer actor may be rewriting)."""

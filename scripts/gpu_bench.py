@@ -12,8 +12,9 @@ differing per repeat), with medians over ``--repeats``:
 
 * ``transformers``: transformers' own ``generate``, every expert resident;
 * ``engine``: Specter's engine, every expert resident (budget 1.0, demand-lru): its step runs whole,
-  one graph with the experts inside; ``engine-cut``: the same step cut at each MoE layer with the
-  experts eager between the graphs, as an offloaded step runs (``GraphedStep.runs_whole`` off);
+  one graph with the experts inside; ``engine-cut``: the same step cut at each MoE layer, the
+  routing read and the experts computed by each layer's slot graph between the pieces, as an
+  offloaded step runs (``GraphedStep.runs_whole`` off);
 * ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %);
 * ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
   steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target;

@@ -92,8 +92,9 @@ class PairOutputs:
         """What one grouped call over ``groups`` slots computes for the experts in ``slot_of`` (expert →
         slot), as int32: each pair's token row, then its pair row (sorted by slot), then each slot's
         cumulative row count. ``padded``: the same length for any ``slot_of`` (``2·T·k + groups``: a
-        captured graph's input, ``planned_pairs``), the rows past the pairs being token 0's, written to
-        the scratch row ``T·k`` (computed by no group: the grouped matmuls leave them alone)."""
+        captured graph's input, ``planned_pairs``), the rows past the pairs being token 0's, computed
+        in the last slot's group (every row in a group, as the grouped kernels are used everywhere
+        else) and written to the scratch row ``T·k``."""
         pairs, slots = self.routes.pairs_by_slot(slot_of)
         k, n = self.routes.k, len(pairs)
         ends = np.cumsum(np.bincount(slots, minlength=groups))
@@ -102,6 +103,7 @@ class PairOutputs:
             total = self.routes.tokens * k
             tokens = np.concatenate([tokens, np.zeros(total - n, dtype=np.int64)])
             rows = np.concatenate([rows, np.full(total - n, total, dtype=np.int64)])
+            ends[-1] = total
         return np.concatenate([tokens, rows, ends]).astype(np.int32)
 
     def from_slots(self, storage: torch.Tensor, shape: ExpertShape, slot_of: dict[int, int]) -> None:
@@ -211,11 +213,9 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -
     Args:
         x: ``(n, in)`` rows sorted by group.
         weights: ``(G, out, in)``, one matrix per group (the slot pool's views).
-        ends: ``(G,)`` int32, the cumulative row count at the end of each group; rows past the
-            last end belong to no group, and their output rows are left undefined.
+        ends: ``(G,)`` int32, the cumulative row count at the end of each group.
     """
     if has_grouped_mm(x.device, x.dtype):
         return F.grouped_mm(x, weights.transpose(1, 2), offs=ends)
     group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device, dtype=ends.dtype), right=True)
-    group = group.clamp_(max=weights.shape[0] - 1)  # rows past the last group (a padded plan's): not used
     return torch.bmm(weights.index_select(0, group), x.unsqueeze(-1)).squeeze(-1)

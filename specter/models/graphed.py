@@ -16,8 +16,12 @@ once, but only over buffers whose shapes and addresses never change. So:
   at each layer whose experts must run outside a graph (the target's: its executor reads the routing
   and fetches misses); the draft's experts are resident and grouped, so its step is one piece. On
   CUDA each piece is captured once per token count (and again when the cache's buffers move) and
-  replayed; between pieces the experts run eagerly. With ``capture=False`` (a CPU) the same pieces
-  run eagerly, so the tests run the code a GPU captures.
+  replayed. Between pieces the host reads the layer's routing and fetches what is missing; the
+  experts in slots are computed by the layer's *slot graph* (captured with the pieces), replayed
+  over a plan the host copies in (which pairs, from which slots: ``PairOutputs.plan``) for the ready
+  experts and again for each group that lands, into pair outputs the next piece weights and sums;
+  what the host computes itself goes there too. With ``capture=False`` (a CPU) the same pieces and
+  slot graphs run eagerly, so the tests run the code a GPU captures.
 * While every split layer's experts sit ready in slots (all resident: nothing to fetch, no routing
   the host must read first), the target's step is not cut: it runs whole, each layer's experts from
   their slots inside it (``OffloadedExperts.resident_experts``, over a device copy of the slot map),
@@ -212,7 +216,7 @@ class GraphedStep:
         self.pieces: dict[int, _Pieces] = {}
         self.whole: dict[int, _Pieces] = {}  # per token count: the step in one piece, experts inside (``_resident``)
         self.runs_whole = split  # False: the step stays cut even when all is resident (the GPU bench's ``engine-cut``)
-        self.slot_graphs = split  # False: a cut step's experts all run eagerly between pieces (``engine-cut``)
+        self.slot_graphs = split  # False: a cut step's experts run as eager ops between pieces (the runner's forward)
         self._bound: list[tuple[Any, int, Any]] = []  # ``_runners``, once found
         self._resident_at: tuple[tuple[int, ...], Any] | None = None  # ``_resident``'s last answer, by slot pool version
         self.captures = 0
@@ -285,8 +289,8 @@ class GraphedStep:
         return pieces
 
     def _inside(self, p: _Pieces, tokens: int, runners: list[tuple[Any, int, Any]]) -> None:
-        """``p``'s buffers for the slot graphs: per split, a plan that computes nothing (every pair to the
-        scratch row, every slot's group empty) and the pair outputs (a row per token and top-k
+        """``p``'s buffers for the slot graphs: per split, a plan that computes nothing (every pair token
+        0's in the last slot's group, into the scratch row) and the pair outputs (a row per token and top-k
         position, and the scratch row)."""
         p.inside = True
         hidden = self.lean.inner.embed_tokens.weight
@@ -294,6 +298,7 @@ class GraphedStep:
             pairs = tokens * self.lean.fused[j].top_k
             plan = torch.zeros(2 * pairs + runner.pool.num_slots, dtype=torch.int32, device=hidden.device)
             plan[pairs : 2 * pairs] = pairs
+            plan[-1] = pairs
             p.plans.append(plan)
             p.pairs.append(hidden.new_zeros(pairs + 1, hidden.shape[1]))
 

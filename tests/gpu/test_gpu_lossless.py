@@ -46,7 +46,10 @@ def test_every_policy_on_the_gpu_equals_transformers(model, policy: str) -> None
         target.close()
     assert list(tokens[:NEW]) == expected, policy
     assert stats.bytes_moved > 0  # the link ran
-    assert target.graphed is not None and target.graphed.failure is None and target.graphed.captures > 0
+    graphed = target.graphed
+    assert graphed is not None and graphed.failure is None and graphed.captures > 0
+    # the cut steps' experts in slots ran in captured slot graphs, one per split layer and token count
+    assert all(len(p.slot_graphs) == len(graphed.splits) for p in graphed.pieces.values() if p.graphs)
 
 
 @pytest.mark.parametrize("model", [DEFAULT_MODEL, COARSE_MODEL], ids=lambda m: m.name)

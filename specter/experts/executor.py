@@ -43,8 +43,6 @@ FromSlots = Callable[[np.ndarray], None]  # computes the pairs a padded ``PairOu
 class OffloadedExperts:
     """The target's routed experts: host store + device slots + link + policy, on one clock."""
 
-    slot_graphs = True  # a graphed step cut at a layer may compute its experts in slots by graphs (``finish_layer``)
-
     def __init__(
         self, store: ExpertStore, pool: SlotPool, link: Link, policy: Policy, timeout: float = 60.0,
         clock: WallClock | None = None,

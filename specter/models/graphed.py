@@ -276,7 +276,7 @@ class GraphedStep:
         ready in those slots) the whole step in one, made anew when the slots are not the ones it holds."""
         if slots is None:
             runners = self._runners() if self.slot_graphs else []
-            inside = bool(runners) and all(runner.slot_graphs for runner, _, _ in runners)
+            inside = bool(runners)
             pieces = self.pieces.get(tokens)
             if pieces is None or pieces.inside != inside:  # a token count's buffers, made once
                 pieces = self.pieces[tokens] = _Pieces(tokens, self.cache.device)

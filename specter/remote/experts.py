@@ -12,11 +12,11 @@ Everything else (policies, residency map, the MoE forward) is the in-process cod
 from __future__ import annotations
 
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-from specter.experts.executor import OffloadedExperts, initial_slots
+from specter.experts.executor import FromSlots, OffloadedExperts, initial_slots
 from specter.experts.grouped import LayerRoutes, PairOutputs
 from specter.experts.link import LinkError
 from specter.experts.slots import Key, SlotPool
@@ -94,8 +94,6 @@ class ScheduledExperts(OffloadedExperts):
                 _late(key, self.timeout)
             self._used[key] = (slot, self.slots.read(slot)[1])
 
-    slot_graphs = False  # each layer's experts run in its own forward, each slot pinned in the seq table first
-
     def resident_map(self, layer: int) -> None:
         """Never: a slot's expert is known only from the seq table, read per layer (a whole captured
         step, ``models/graphed.py``, would compute from slots the transfer actor may be rewriting)."""
@@ -107,6 +105,14 @@ class ScheduledExperts(OffloadedExperts):
         top_k_weights: torch.Tensor, residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``OffloadedExperts.forward``, with the transfer actor placing the experts."""
+        return self._layer(module, layer, hidden, top_k_index, top_k_weights).total(residual)
+
+    def _layer(
+        self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        out: torch.Tensor | None = None, from_slots: FromSlots | None = None,
+    ) -> PairOutputs:
+        """One layer's pair outputs (``OffloadedExperts._layer``'s, and ``finish_layer``'s for a graphed
+        step): each expert from its slot once pinned there (by ``from_slots`` when given), or on the host."""
         routes = LayerRoutes(top_k_index)  # the layer's one read of device data
         needed = routes.needed
         self.last_needed[layer] = needed
@@ -134,7 +140,7 @@ class ScheduledExperts(OffloadedExperts):
         wait = [e for e in late if e not in on_host]
         self.visit += 1
         self.remote.channel.send(LayerNeeds(layer, self.visit, wait, list(ready), on_host))
-        outputs = PairOutputs(hidden, routes, top_k_weights, module.act_fn)  # type: ignore[arg-type]
+        outputs = PairOutputs(hidden, routes, top_k_weights, module.act_fn, out)
         try:
             for e in on_host:
                 self._run_host(outputs, (layer, e), routes)
@@ -142,15 +148,15 @@ class ScheduledExperts(OffloadedExperts):
             for slot in ready.values():
                 self.slots.release(slot)
             raise
-        self._run_slots(outputs, layer, ready, routes)  # releases them whatever happens
+        self._run_slots(outputs, layer, ready, routes, from_slots)  # releases them whatever happens
         left = [(layer, e) for e in wait]
         while left:  # each runs the moment it lands (the transfer actor may need a done slot for the next)
             key, slot = self._await(left)
             left.remove(key)
-            self._run_slots(outputs, layer, {key[1]: slot}, routes)
+            self._run_slots(outputs, layer, {key[1]: slot}, routes, from_slots)
         if on_host:
             self._finish_host([(layer, e) for e in on_host])
-        return outputs.total(residual)
+        return outputs
 
     def _pin_if_landed(self, key: Key) -> tuple[int, int] | None:
         """(slot, seq) of the copy of ``key``, its slot pinned, if it has landed; else None."""
@@ -233,13 +239,18 @@ class ScheduledExperts(OffloadedExperts):
         got, seq = self.slots.read(slot)
         return f"the index puts it in slot {slot}, which holds {got} (seq {seq}, due {self.slots.due(slot):.3f})"
 
-    def _run_slots(self, outputs: PairOutputs, layer: int, slot_of: dict[int, int], routes: LayerRoutes) -> None:
-        """The experts in ``slot_of`` (pinned) from their slots in one grouped call; then they are
-        marked done in this visit and their slots unpinned (the transfer actor may reuse them)."""
+    def _run_slots(self, outputs: PairOutputs, layer: int, slot_of: dict[int, int], routes: LayerRoutes,
+                   from_slots: FromSlots | None = None) -> None:
+        """The experts in ``slot_of`` (pinned) from their slots in one grouped call (``from_slots``'s when
+        given); then they are marked done in this visit and their slots unpinned (the transfer actor
+        may reuse them: on CUDA after the slots' reader events, recorded behind that call)."""
         if not slot_of:
             return
         try:
-            outputs.from_slots(self.slots.storage, self.store.shape, slot_of)
+            if from_slots is None:
+                outputs.from_slots(self.slots.storage, self.store.shape, slot_of)
+            else:
+                from_slots(outputs.plan(slot_of, self.pool.num_slots, padded=True))
             for e in slot_of:
                 self.index.mark_done((layer, e), self.visit)
         finally:

@@ -110,7 +110,7 @@ class Replica:
         stack.callback(self.index.close)
         self.folder, self.groups = folder, groups
 
-    def target(self, policy: str) -> OffloadedTarget:
+    def target(self, policy: str, step: str = "auto") -> OffloadedTarget:
         loaded = build_dense(self.folder, torch.float32)
         pool = SlotPool(loaded.shape, self.groups, torch.device("cpu"), storage=self.reader.storage)
         wire = self.proposer.wire_id if self.proposer is not None else None
@@ -119,7 +119,7 @@ class Replica:
         shape = self.store.shape  # the host beside the link, as the verifier actor sets it
         offload.set_host(simulated_host(LINK.bandwidth, LINK.latency, shape.nbytes, 2 * shape.numel))
         offload.prefill_slots()
-        return OffloadedTarget(loaded, offload, torch.device("cpu"))
+        return OffloadedTarget(loaded, offload, torch.device("cpu"), step=step)
 
     def _cleanup(self, slots, counters, index, ipc, pull) -> None:  # type: ignore[no-untyped-def]
         self.server.close()
@@ -186,6 +186,21 @@ def test_scheduled_in_the_transfer_actor_is_token_identical(replica, models, pol
     schedule = replica.server.schedule
     assert schedule is not None and schedule.policy.name == make_policy(policy).name
     assert replica.server.rejected == 0
+
+
+@pytest.mark.parametrize(("policy", "window"), [("demand-lru", 0), ("specter-paper+host", 4), ("specter", 4)])
+def test_scheduled_steps_in_static_pieces_compute_their_slots_in_slot_graphs(replica, models, policy, window) -> None:
+    """The pieces a GPU captures (``step="static"``), over the transfer actor's slots: each layer's
+    experts pinned in the seq table are computed by the layer's slot graph (run eagerly here), the
+    host's into the same pair outputs; transformers' tokens."""
+    target = replica.target(policy, step="static")
+    proposer = replica.proposer if window else None
+    tokens, stats = Engine(target, window=window, proposer=proposer).generate_fresh(PROMPT, NEW)
+    assert tokens == _reference(models[0])
+    assert stats.misses > 0 and stats.transfers > 0
+    graphed = target.graphed
+    assert graphed is not None and graphed.pieces and all(p.inside for p in graphed.pieces.values())
+    assert not graphed.whole  # never whole: the seq table, not the pool, says what is in a slot
 
 
 def test_a_new_policy_never_sees_the_old_passes_experts_as_done(replica) -> None:

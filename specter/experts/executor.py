@@ -7,7 +7,9 @@ over the slot pool (``specter/experts/grouped.py``) while the link brings the mi
 late expert runs the moment it lands, and its slot may then be reused by the next one, so a pass
 that needs more experts than there are slots (prefill, a long verify window) streams them through.
 Each (token, top-k position) pair's output has its own row, summed once at the end, so results
-do not depend on arrival order.
+do not depend on arrival order. In a graphed step (``models/graphed.py``) the grouped calls over
+the slots are the layer's captured slot graph, replayed over each call's plan, and the sum is the
+next piece's (``finish_layer``).
 
 When the policy allows it (``Policy.host_compute``) and a host is set, a late expert whose
 transfer would land after the host could finish computing it is computed on the host from its

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, noisy_copy
 from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SlotConfig
+from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.generation import generate
 from specter.models.decode import LEAN_FAMILIES
 from specter.models.graphed import StaticKV
+from specter.plan import POLICIES, drafts
 from specter.target import OffloadedTarget
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
@@ -100,6 +102,33 @@ def test_the_pieces_a_gpu_graphs_decode_as_transformers_generate(family, tiny_di
         # every expert resident: the step in one piece, its experts inside; offloaded: cut at each layer
         assert bool(target.graphed.whole) == (budget == "1.0") and bool(target.graphed.pieces) == (budget == "min")
         assert all(pieces.inside == slot_graphs for pieces in target.graphed.pieces.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_every_policy_in_the_pieces_a_gpu_graphs_decodes_as_transformers_generate(family, tiny_dir, tmp_path):
+    """``step="static"`` at the minimum budget, every policy (its draft a noisy copy of the target, 4 a
+    round): the split layers' experts in slots computed by the slot graphs (several replays a layer
+    as experts land; the host's experts into the same pair outputs where the policy computes some
+    there), the tokens transformers'."""
+    folder = tiny_dir(family)
+    ref = _reference(folder)
+    expected = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW,
+                            do_sample=False)[0, len(PROMPT):].tolist()
+    draft_dir = noisy_copy(folder, tmp_path / "draft")
+    on_host = 0
+    for policy in sorted(POLICIES):
+        window = 4 if drafts(policy) else 0
+        target = OffloadedTarget.load(folder, _budget("min", ref), FAST_LINK, policy, step="static")
+        draft = load_draft(draft_dir, device="cpu", mode="dequant-cache", step="static") if window else None
+        try:
+            tokens, stats = Engine(target, draft, window).generate_fresh(PROMPT, NEW)
+        finally:
+            target.close()
+        assert tokens == expected, f"{family}, {policy}"
+        assert target.graphed is not None and all(p.inside for p in target.graphed.pieces.values())
+        assert stats.misses > 0
+        on_host += stats.extra.get("host_experts", 0)
+    assert on_host > 0  # some policy computed experts on the host, into the slot graphs' pair outputs
 
 
 @pytest.mark.parametrize("family", sorted(LEAN_FAMILIES))

@@ -18,6 +18,9 @@ differing per repeat), with medians over ``--repeats``:
 * ``demand-lru``, ``specter-paper`` (K 8), ``specter`` at each of ``--budgets`` (default 25 % and 50 %);
 * ``engine-eager``, ``demand-lru-eager``, ``specter-eager`` (the first budget): the same with the
   steps after the prompt eager (no CUDA graphs: ``models/graphed.py``), draft and target;
+* ``demand-lru-ops`` (the first budget): graphed, but each layer's experts in slots issued as ops
+  between the pieces rather than replayed as its slot graph (``GraphedStep.slot_graphs`` off, as the
+  H200 ran offloaded steps at fa408d0): beside ``demand-lru``, what the slot graphs buy;
 * ``specter-paper-int4``, ``specter-int4`` (the first budget, where the int4 kernel takes the shapes):
   the draft's experts in int4 on the device (``int4-kernel``: a step gathers its routed experts, no
   read, graphed), beside the draft step's time in that mode;
@@ -160,6 +163,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-cut", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
+    settings += [("demand-lru-ops", budgets[0])]
     runner = Runner(folder, device, dtype, cuda, step="static" if args.static else "auto")
     int4 = runner.int4_ready()
     if int4:  # the draft's experts in int4 on the device, gathered per step (where the kernel takes the shapes)
@@ -287,6 +291,8 @@ class Runner:
         policy = policy.removesuffix("-eager")
         cut = policy.endswith("-cut")  # the resident step cut at each MoE layer, as an offloaded one runs
         policy = policy.removesuffix("-cut")
+        ops = policy.endswith("-ops")  # a cut step's experts in slots as ops, not replays of its slot graphs
+        policy = policy.removesuffix("-ops")
         int4 = policy.endswith("-int4")  # the draft's experts in int4, gathered per step
         policy = policy.removesuffix("-int4")
         name = "demand-lru" if policy == "engine" else policy
@@ -294,7 +300,7 @@ class Runner:
                                       device=self.device, dtype=self.dtype, step="eager" if eager else self.step)
         try:
             if target.graphed is not None:
-                target.graphed.runs_whole = not cut
+                target.graphed.runs_whole, target.graphed.slot_graphs = not cut, not ops
             window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
             prepared = engine.prepare_steps()  # every token count a round can use captured now, not in the timed run
@@ -305,6 +311,7 @@ class Runner:
             layers = self.moe_layers = len(target.loaded.moe_layers)
             graphs = target.graphed.captures if target.graphed is not None else 0
             whole = bool(target.graphed.whole) if target.graphed is not None else False
+            slot_graphs = target.graphed is not None and any(p.inside for p in target.graphed.pieces.values())
             failure = target.graphed.failure if target.graphed is not None else None
         finally:
             target.close()
@@ -315,7 +322,7 @@ class Runner:
         spec, plain = stats.extra.get("rounds", 0), stats.extra.get("plain_rounds", 0)
         window = stats.extra.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0
         return {"tpot_ms": stats.tpot_s * 1e3, "tokens": tokens, "hit_rate": stats.hit_rate, "graphs": graphs,
-                "prepared": prepared, "cold_steps": cold, "whole": whole,
+                "prepared": prepared, "cold_steps": cold, "whole": whole, "slot_graphs": slot_graphs,
                 "accepted": stats.extra.get("mean_accepted", 0.0), "window": window,
                 "plain_share": plain / (spec + plain) if spec + plain else 0.0,
                 "link_busy": stats.link_busy_fraction,

@@ -25,7 +25,7 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         block = results["shapes"][shape]
         assert "error" not in block, block.get("trace")
         names = {f"{p}@{b}" for b in ("0.25", "0.5") for p in ("demand-lru", "specter-paper", "specter")}
-        eager = {"engine-eager@1", "demand-lru-eager@0.25", "specter-eager@0.25"}
+        eager = {"engine-eager@1", "demand-lru-eager@0.25", "specter-eager@0.25", "demand-lru-ops@0.25"}
         processes = {"demand-lru-processes@0.25", "specter-processes@0.25"}  # the three roles as processes
         # the int4 draft where the kernel takes the shrunk shapes (Mixtral's; Qwen's intermediate 88 is not
         # a multiple of 32)
@@ -69,7 +69,8 @@ def test_the_gpu_bench_on_the_pieces_a_gpu_graphs_prepares_every_step_shape_firs
     graphs, run eagerly). Every graphed run makes its token counts ready first (``prepared`` > 0), its
     timed request then runs no step shape for the first time (``cold_steps`` 0), and its tokens are still
     transformers'; the eager rows prepare nothing. The resident ``engine`` row's step ran whole (one piece,
-    experts inside), ``engine-cut``'s and every offloaded row's cut at each MoE layer."""
+    experts inside), ``engine-cut``'s and every offloaded row's cut at each MoE layer, their experts in
+    slots by the slot graphs but in ``demand-lru-ops``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--static", "--shapes",
                            "mixtral-8x7b", "--budgets", "0.25", "--processes", "", "--out", str(tmp_path)],
@@ -86,4 +87,6 @@ def test_the_gpu_bench_on_the_pieces_a_gpu_graphs_prepares_every_step_shape_firs
         assert run["cold_steps"] == 0, name
         assert (run["prepared"] > 0) == ("-eager" not in name), name
         assert run["whole"] == (name == "engine@1"), name
+        graphed = "-eager" not in name and name != "engine@1"  # cut pieces, run as a GPU replays them
+        assert run["slot_graphs"] == (graphed and name != "demand-lru-ops@0.25"), name
     assert block["summary"]["specter@0.25"]["chooser"]["cold"] == 0

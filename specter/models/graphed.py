@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -193,9 +194,9 @@ class GraphedStep:
     count (and again when the cache's buffers move) and replayed. Between pieces the host reads the
     split layer's routing and fetches what is missing; the experts in slots are computed by a graph
     of their own (``slot_graphs``: one per split layer and token count, replayed for the ready
-    experts and again for each group that lands, over a map of experts → slots copied in first),
-    the rest eagerly (the host's), all into the pair outputs the next piece sums. Without it the
-    experts run eagerly and their output is copied into the next piece's input buffer.
+    experts and again for each group that lands, over the plan of those pairs copied in first),
+    the host's own eagerly, all into the pair outputs the next piece sums. Without it the experts
+    run eagerly and their output is copied into the next piece's input buffer.
 
     Args:
         lean: a fused ``LeanStep`` of the model (every routed layer's projections fused).
@@ -414,7 +415,8 @@ class GraphedStep:
             self._whole_pass(p)
             return
         hidden = self.lean.inner.embed_tokens.weight
-        p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
+        if not p.inside:
+            p.moe = [hidden.new_zeros(p.ids.shape[1], hidden.shape[1]) for _ in self.splits]
         for i in range(len(self.splits) + 1):
             self._piece(p, i)
             if p.inside and i < len(self.splits):  # from whatever plan it held: the sum takes zeros
@@ -465,7 +467,7 @@ class GraphedStep:
         flat, ids, weights, residual, _ = p.routes[i]
         if p.inside:
             runner, layer, experts = self._runners()[i]
-            from_slots = lambda plan: self._from_slots(p, i, plan, graphed)  # noqa: E731
+            from_slots = partial(self._from_slots, p, i, graphed=graphed)
             runner.finish_layer(experts, layer, flat, ids, weights, p.pairs[i][:-1], from_slots)
             return
         out = _experts_with_residual(self.lean.layers[self.splits[i]].mlp.experts, flat, ids, weights, residual)

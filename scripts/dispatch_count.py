@@ -7,9 +7,11 @@ default: it agrees with the target nearly always, so a round's count is that of 
 ``--method rtn`` for int4) are built in a temporary folder. Each setting generates ``--tokens`` + 1 new tokens and 1 new
 token after the same prompt; the difference is the decode's own dispatch. ``--steps eager,static``
 counts each setting with the eager lean steps (a CPU's default) and with the pieces a GPU replays as
-CUDA graphs (``models/graphed.py``; each replay one op).
+CUDA graphs (``models/graphed.py``; each replay one op); ``--prepare`` makes every token count's steps
+ready before the runs (``Engine.prepare_steps``, as the GPU bench does), so no count's first steps run
+eagerly inside them.
 
-    python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--json OUT]
+    python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--prepare] [--json OUT]
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the counts here")
     parser.add_argument("--top", type=int, default=0, help="also list the N most frequent ops per setting")
     parser.add_argument("--steps", default="eager", help="comma-separated: eager (a CPU's), static (a GPU's graphs)")
+    parser.add_argument("--prepare", action="store_true", help="every token count's steps made ready first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -83,9 +86,11 @@ def main() -> int:
                 target = OffloadedTarget.load(model, SlotConfig(fraction=budget), LinkConfig(
                     kind="sim", bandwidth=1e12, latency=0.0), policy=policy, device="cpu", step=step)
                 engine = Engine(target, draft if window else None, window=window)
+                if args.prepare:
+                    engine.prepare_steps()
                 counted, tokens, per_round = count(engine, prompt, args.tokens)
                 per = tokens * len(target.loaded.moe_layers)
-                rows.append({"setting": f"{name} ({step})", "tokens": tokens, "tokens_per_round": per_round,
+                rows.append({"setting": f"{name} ({step}{', prepared' if args.prepare else ''})", "tokens": tokens, "tokens_per_round": per_round,
                              "ops": counted.ops / per, "reads": counted.reads / per, "syncs": counted.syncs / per,
                              "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
                 target.close()

@@ -23,12 +23,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from specter.bound import LayerUse, Trace
 from specter.config import HostConfig
-from specter.experts.grouped import LayerRoutes, PairOutputs, planned_pairs, resident_experts
+from specter.experts.grouped import FromSlots, LayerRoutes, PairOutputs, planned_pairs, resident_experts
 from specter.experts.host import HostCompute
 from specter.experts.link import DEMAND, Link, SimulatedLink, Transfer
 from specter.experts.slots import ChooseVictim, Key, SlotPool
@@ -38,8 +37,6 @@ from specter.plan.base import Policy
 from specter.stats import OffloadCounters
 from specter.timing.clock import WallClock
 from specter.timing.dispatch import defer_read
-
-FromSlots = Callable[[np.ndarray], None]  # computes the pairs a padded ``PairOutputs.plan`` names, from slots
 
 
 class OffloadedExperts:
@@ -397,10 +394,7 @@ class OffloadedExperts:
         if not keys:
             return
         slot_of = {e: self.pool.where[(layer, e)] for layer, e in keys}
-        if from_slots is None:
-            outputs.from_slots(self.pool.storage, self.pool.shape, slot_of)
-        else:
-            from_slots(outputs.plan(slot_of, self.pool.num_slots, padded=True))
+        outputs.from_slots(self.pool.storage, self.pool.shape, slot_of, from_slots)
         for key in keys:
             self.clock.charge_expert(routes.count(key[1]))
         event = None

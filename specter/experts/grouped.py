@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from specter.experts.store import ExpertShape
 from specter.timing.dispatch import host_read
 
+FromSlots = Callable[[np.ndarray], None]  # computes the pairs a padded ``PairOutputs.plan`` names, from slots
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 _EXPERT_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -106,9 +107,14 @@ class PairOutputs:
             ends[-1] = total
         return np.concatenate([tokens, rows, ends]).astype(np.int32)
 
-    def from_slots(self, storage: torch.Tensor, shape: ExpertShape, slot_of: dict[int, int]) -> None:
-        """Compute the pairs of the experts in ``slot_of`` (expert → slot of ``storage``), in one call."""
+    def from_slots(self, storage: torch.Tensor, shape: ExpertShape, slot_of: dict[int, int],
+                   graph: FromSlots | None = None) -> None:
+        """Compute the pairs of the experts in ``slot_of`` (expert → slot of ``storage``), in one call: the
+        ops issued here, or ``graph`` given the padded plan (a graphed step's slot graph replayed)."""
         if not slot_of:
+            return
+        if graph is not None:
+            graph(self.plan(slot_of, storage.shape[0], padded=True))
             return
         plan = torch.from_numpy(self.plan(slot_of, storage.shape[0])).to(self.hidden.device, non_blocking=True)
         gate_up, down = shape.split_rows(storage)

@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from specter.experts.executor import FromSlots, OffloadedExperts, initial_slots
-from specter.experts.grouped import LayerRoutes, PairOutputs
+from specter.experts.executor import OffloadedExperts, initial_slots
+from specter.experts.grouped import FromSlots, LayerRoutes, PairOutputs
 from specter.experts.link import LinkError
 from specter.experts.slots import Key, SlotPool
 from specter.experts.store import ExpertStore
@@ -99,14 +99,7 @@ class ScheduledExperts(OffloadedExperts):
         step, ``models/graphed.py``, would compute from slots the transfer actor may be rewriting)."""
         return None
 
-    # -- one MoE layer --------------------------------------------------------------------------
-    def forward(
-        self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor, residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As ``OffloadedExperts.forward``, with the transfer actor placing the experts."""
-        return self._layer(module, layer, hidden, top_k_index, top_k_weights).total(residual)
-
+    # -- one MoE layer (``OffloadedExperts.forward`` and ``finish_layer`` call it; never all resident here) --
     def _layer(
         self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
         out: torch.Tensor | None = None, from_slots: FromSlots | None = None,
@@ -247,10 +240,7 @@ class ScheduledExperts(OffloadedExperts):
         if not slot_of:
             return
         try:
-            if from_slots is None:
-                outputs.from_slots(self.slots.storage, self.store.shape, slot_of)
-            else:
-                from_slots(outputs.plan(slot_of, self.pool.num_slots, padded=True))
+            outputs.from_slots(self.slots.storage, self.store.shape, slot_of, from_slots)
             for e in slot_of:
                 self.index.mark_done((layer, e), self.visit)
         finally:

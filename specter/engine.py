@@ -139,6 +139,7 @@ class Engine:
         before = (self.target.offload.counters.snapshot(), link_state(self.target), host_state(self.target))
         self.policy.begin_request()
         tally = Tally()
+        cold_mark = self.cold_steps()
         t0 = self.clock.now()
         tcache = self.target.new_cache()
         link = self.target.link
@@ -184,6 +185,8 @@ class Engine:
         stats.extra["host_reads"] = READS.count - dispatch_mark[0]
         if self.clock.name == "as-built":
             stats.extra["dispatch_s"] = getattr(self.clock, "dispatch_s", 0.0) - dispatch_mark[1]
+        if self._graphed():
+            stats.extra["cold_steps"] = self.cold_steps() - cold_mark  # steps that ran a count first or captured
         chooser = self.policy.window_chooser() if self.proposer is not None else None
         if chooser is not None:  # rounds whose costs the K chooser has learnt from, this request's included
             stats.extra["chooser_rounds"] = sum(chooser.samples.values())
@@ -250,6 +253,11 @@ class Engine:
             round_id += 2 if planned and not stands else 1  # a thrown-away round's id is not reused
             standing = stands
         return False
+
+    def _graphed(self) -> bool:
+        """Whether a step of this engine's target or draft runs graphed pieces (``models/graphed.py``)."""
+        draft = getattr(self.proposer, "draft", None)  # an in-process draft (a draft process reports its own)
+        return any(getattr(m, "graphed", None) is not None for m in (self.target, draft))
 
     def cold_steps(self) -> int:
         """Steps so far, target's and draft's, that ran a token count for the first time or captured

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from specter.cli import main as specter_main
+from specter.draft.quantize.model import quantize_model
 from specter.eval import bench
 from specter.timing.profiles import PROFILES
 
@@ -85,6 +87,35 @@ def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["profiles"]
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
     assert {f.name for f in files} >= {"tpot.png", "speedup.png", "time_split.png", "recall_vs_k.png"}
+
+
+def test_graphed_steps_on_the_as_built_clock_are_made_ready_first_and_dispatch_less(tiny_dir, tmp_path, capsys):
+    """``--graphs``: the steps a GPU replays (each piece one launch) at the graphs' calibration, every token
+    count made ready before the timed runs; the eager steps' run of the same prompts dispatches more."""
+    folder = tiny_dir("qwen2_moe")
+    quantize_model(str(folder), str(tmp_path / "draft"), method="int8", progress=False)  # a draft that graphs
+    runs = {}
+    for graphs in (False, True):
+        config = bench.BenchConfig(str(folder), str(tmp_path / "draft"), [[3, 17, 25, 9], [5, 6, 7]],
+                                   ["qwen2moe-pcie4"],
+                                   policies=["demand-lru", "specter+fixed"], new_tokens=6, k_candidates=(1, 3),
+                                   clock="as-built", graphs=graphs)
+        runs[graphs] = bench.run(config, progress=False)
+    eager, graphed = runs[False], runs[True]
+    assert graphed["graphs"] and "h200-graphs" in graphed["dispatch"] and "h200-eager" in eager["dispatch"]
+    for policy in ("demand-lru", "specter+fixed"):
+        before, after = (r["profiles"]["qwen2moe-pcie4"]["runs"][policy] for r in (eager, graphed))
+        assert all("cold_steps" not in run for run in before)
+        assert all(run["cold_steps"] == 0 for run in after)  # no timed step ran a count first or captured
+        for a, b in zip(before, after, strict=True):
+            assert b["dispatch_s"] < a["dispatch_s"] and b["new_tokens"] == a["new_tokens"]
+    assert "as-built clock, graphed steps" in bench.table(graphed)
+    with pytest.raises(ValueError, match="graphs: .*as-built"):
+        bench.run(bench.BenchConfig(str(folder), str(folder), [[3]], ["qwen2moe-pcie4"], graphs=True),
+                  progress=False)
+    with pytest.raises(SystemExit) as exited:
+        specter_main(["bench", "--model", str(folder), "--graphs"])
+    assert exited.value.code == 2 and "--graphs" in capsys.readouterr().err
 
 
 def test_a_host_variant_alone_gets_its_k_from_a_scan_not_its_default(tiny_dir):

@@ -334,6 +334,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "plus the dispatch of the ops and reads the engine issues; wall: real time (the actors column); "
                             "measured: virtual link and host, compute at its measured CPU time (it idles through its "
                             "waits, uncounted, so it takes about as long as the wall clock)")
+    bench.add_argument("--graphs", action="store_true",
+                       help="with --clock as-built: the steps a GPU replays as CUDA graphs (models/graphed.py), every "
+                            "token count made ready before the runs, dispatch at the h200-graphs calibration "
+                            "(default: the eager steps at h200-eager)")
     bench.add_argument("--rho", type=_positive, default=None,
                        help="set every profile's link so that the offload pressure is R (default: the profile's)")
     bench.add_argument("--draft-mode", choices=("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly"),

@@ -46,6 +46,9 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)
     if args.actors and args.clock != "wall":
         parser.error("argument --actors: the actors column runs on the wall clock; add --clock wall")
+    if args.graphs and args.clock != "as-built":
+        parser.error(f"argument --graphs: charges the graphed steps' dispatch on the as-built clock; add --clock "
+                     f"as-built (not {args.clock})")
     sampling = sampling_config(args, parser)
     loaded = load_prompts(args.model, args.prompts, count + 2)  # the K scan's two come after the benchmark's
     prompts, scan = loaded[:count], loaded[count:]
@@ -58,7 +61,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config.actors, config.actors_policy = args.actors, args.actors_policy
     config.actors_schedules = tuple(args.actors_schedule.split(","))
     config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
-    config.draft_mode = args.draft_mode
+    config.draft_mode, config.graphs = args.draft_mode, args.graphs
     if args.step_s is not None:
         if not args.step_s > 0:
             parser.error(f"argument --step-s: must be > 0 seconds, got {args.step_s}")
@@ -97,6 +100,8 @@ def _concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     profiles = [p for p in args.profiles.split(",") if p]
     if args.profiles == DEFAULT_BENCH_PROFILES:
         profiles = ["mixtral-pcie4", "qwen2moe-pcie4"]
+    if args.graphs:
+        parser.error("argument --graphs: not with --concurrency (batched steps run eagerly: specter/batching.py)")
     if args.clock not in ("virtual", "as-built", "wall"):
         parser.error(f"argument --clock: --concurrency runs on the virtual, as-built or wall clock, not {args.clock}")
     count, tokens = (3, 16) if args.quick else (args.num_prompts, args.new_tokens)

@@ -23,10 +23,12 @@ from specter.generation import bytes_per_token, resident_step_s
 from specter.plan import POLICIES, adapts, drafts, policy_class
 from specter.target import OffloadedTarget
 from specter.timing.costs import Timing, resolve_timing
+from specter.timing.dispatch import DEFAULT_DISPATCH
 from specter.timing.profiles import PROFILES, Profile
 
 log = logging.getLogger(__name__)
 
+GRAPHS_DISPATCH = "h200-graphs"  # ``graphs``: the calibration of the engine with CUDA graphs (timing/dispatch.py)
 FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock (a timed choice varies tokens)
 BASELINE = "demand-lru"
 ACTORS = "specter@actors"
@@ -55,11 +57,22 @@ class BenchConfig:
     actors_schedules: tuple[str, ...] = ("transfer",)  # one pair of actors' columns each (the first unsuffixed)
     step_s: float | None = None  # this machine's all-resident step time (wall, measured); None: measure it
     clock: str = "virtual"  # wall | virtual | as-built | measured (specter/timing/clock.py)
+    graphs: bool = False  # as-built: the steps a GPU replays as CUDA graphs, made ready first (``GRAPHS_DISPATCH``)
     rho: float | None = None  # every profile's link set to this offload pressure; None: the profile's own
     draft_mode: str | None = None  # the draft's expert mode; None: auto on the wall clock, else fixed
     scan_prompts: list[list[int]] = field(default_factory=list)  # the K scan's (None: the first two)
     scanned: dict[str, int] = field(default_factory=dict)  # base policy → K its scan found (filled by run)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+def check(config: BenchConfig) -> None:
+    """Settings that cannot run together, named (a ``ValueError``)."""
+    if config.actors and config.clock != "wall":
+        raise ValueError(f"bench: the actors column runs on the wall clock; use --clock wall, not {config.clock!r}")
+    if config.graphs and config.clock != "as-built":
+        raise ValueError(f"graphs: the graphed steps' dispatch is what the as-built clock charges; use --clock "
+                         f"as-built, not {config.clock!r} (other clocks charge no dispatch, or time this CPU's "
+                         f"eager run of the pieces)")
 
 
 def budget_fraction(config: BenchConfig, profile: Profile) -> float:
@@ -75,7 +88,7 @@ def budget_for(config: BenchConfig, profile: Profile) -> SlotConfig:
 def load_target(config: BenchConfig, timing: Timing, profile: Profile, policy: str) -> OffloadedTarget:
     """A target for ``policy`` at the profile's budget, on its own clock, with the profile's link and host."""
     target = OffloadedTarget.load(config.model, budget_for(config, profile), timing.link, policy,
-                                  clock=timing.make_clock())
+                                  clock=timing.make_clock(), **({"step": "static"} if config.graphs else {}))
     target.offload.set_host(timing.host)
     return target
 
@@ -89,7 +102,8 @@ def timings(config: BenchConfig) -> tuple[dict[str, Timing], float | None, int |
             step_s, per_token = resident_step_s(config.model, config.prompts[0])
         else:  # several runs sharing one measured step share one simulated link and host
             step_s, per_token = config.step_s, bytes_per_token(config.model)
-    out = {name: resolve_timing(config.model, config.clock, name, rho=config.rho, step_s=step_s)
+    dispatch = GRAPHS_DISPATCH if config.graphs else DEFAULT_DISPATCH
+    out = {name: resolve_timing(config.model, config.clock, name, rho=config.rho, step_s=step_s, dispatch=dispatch)
            for name in config.profiles}
     return out, step_s, per_token
 
@@ -113,12 +127,14 @@ def window_of(config: BenchConfig, policy: str) -> int:
 
 def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every policy × prompt for every profile; returns the JSON-able results."""
-    if config.actors and config.clock != "wall":
-        raise ValueError(f"bench: the actors column runs on the wall clock; use --clock wall, not {config.clock!r}")
+    check(config)
     per_profile, step_s, per_token = timings(config)
     mode = config.draft_mode or ("auto" if config.clock == "wall" else FIXED_DRAFT_MODE)
-    draft = load_draft(config.draft, mode=mode)
-    results: dict[str, Any] = {"clock": config.clock, "step_s": step_s, "bytes_per_token": per_token,
+    draft = load_draft(config.draft, mode=mode, **({"step": "static"} if config.graphs else {}))
+    results: dict[str, Any] = {"clock": config.clock, "graphs": config.graphs,
+                               "dispatch": per_profile[config.profiles[0]].dispatch.describe()
+                               if per_profile[config.profiles[0]].dispatch is not None else None,
+                               "step_s": step_s, "bytes_per_token": per_token,
                                "draft_mode": getattr(draft, "mode", None), "rho_override": config.rho,
                                "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
                                "actors_policy": config.actors_policy, "actors_schedules": list(config.actors_schedules),
@@ -161,7 +177,7 @@ def profile_window(
     recall: dict[int, float] = {}
     try:
         for k in config.k_candidates:
-            engine = Engine(target, draft, k, untimed_prefill=True)
+            engine = ready(config, Engine(target, draft, k, untimed_prefill=True))
             stats = [engine.generate_fresh(p, min(32, config.new_tokens), config.sampling)[1]
                      for p in config.scan_prompts or config.prompts[:2]]
             scan[k] = statistics.median(s.tpot_s for s in stats)
@@ -187,7 +203,8 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
             for policy in config.policies:  # interleaved: machine noise hits every policy alike
                 window = window_of(config, policy)
                 use_draft = draft if drafts(policy) else None
-                engine = Engine(targets[policy], use_draft, window if use_draft else 0, untimed_prefill=True)
+                engine = ready(config, Engine(targets[policy], use_draft, window if use_draft else 0,
+                                              untimed_prefill=True))
                 _, stats = engine.generate_fresh(prompt, config.new_tokens, config.sampling)
                 runs[policy].append(stats.to_dict())
             if handle is not None:  # the same policy and window, through the actors, same prompt
@@ -212,6 +229,15 @@ def _run_profile(config: BenchConfig, draft: Any, timing: Timing, progress: bool
 
                 ray.shutdown()
     return runs
+
+
+def ready(config: BenchConfig, engine: Engine) -> Engine:
+    """``engine`` with every token count its rounds can use made ready (``Engine.prepare_steps``) where the
+    run charges graphed steps: a GPU captures them once, before any request, and so does no timed run
+    here (a count already ready is left as it is)."""
+    if config.graphs:
+        engine.prepare_steps()
+    return engine
 
 
 def actor_columns(config: BenchConfig) -> list[tuple[str, str, bool]]:
@@ -284,7 +310,8 @@ def table(results: dict[str, Any]) -> str:
         host = f", host eta {block['eta']:.2f}" if "eta" in block else ""
         budget = f", budget {block['budget']:.0%}" if "budget" in block else ""
         draft = f", draft/target {block['draft_ratio']:.2f}" if "draft_ratio" in block else ""
-        lines.append(f"\nprofile {name} ({results.get('clock', 'wall')} clock, rho {block['rho']:.1f}{host}{draft}"
+        clock = results.get("clock", "wall") + (" clock, graphed steps" if results.get("graphs") else " clock")
+        lines.append(f"\nprofile {name} ({clock}, rho {block['rho']:.1f}{host}{draft}"
                      f"{budget}, link {block['link_bytes_per_s'] / 1e6:.2f} MB/s)")
         lines.append(f"{'policy':<18}{'K':>3}{'K avg':>6}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
                      f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}"

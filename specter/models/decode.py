@@ -299,7 +299,7 @@ class _Fused:
         if self.qk_norm is not None:  # qwen3_moe: per head, before the rotation
             qk = _rms_weight(qk, *self.qk_norm)
         qk = qk.transpose(1, 2)
-        qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # ``sin`` signed: see ``LeanStep.__call__``
+        qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
         if segments is not None:
             out = self._per_sequence(attention, qk, v.transpose(1, 2), segments).reshape(tokens, -1)
         else:
@@ -366,8 +366,10 @@ class _Fused:
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float,
                      ) -> torch.Tensor:
     """Attention as plain matmuls: ``q`` (1, H, T, d) over ``k``, ``v`` (1, H_kv, S, d) plus ``bias``
-    (G·T, S) with G = H / H_kv (the step's mask repeated per query head of a group, made once a step),
-    added to the scores in fp32 (``-inf`` masks a key); returns (1, T, H, d).
+    (G·T, S) with G = H / H_kv (the step's mask repeated per query head of a group, made once a step,
+    in the scores' dtype), scaled and added in the scores' matmul (``-inf`` masks a key), the softmax
+    accumulated in fp32 (a low-precision dtype's kernel does so inside); returns (1, T, H, d). Three
+    kernels: the scores, the softmax, the values.
 
     The graphed pieces' attention (``models/graphed.py``): SDPA picks its kernel by dtype, mask and
     head grouping (some of them fall back to its math path), while these matmuls are the same ops in
@@ -376,9 +378,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     matmuls anyway. A query head ``i`` reads key head ``i // G``, as transformers' ``repeat_kv``
     arranges, without repeating the keys."""
     _, heads, tokens, dim = q.shape
-    rows = heads // k.shape[1] * tokens
-    scores = torch.matmul(q.reshape(1, k.shape[1], rows, dim), k.transpose(-1, -2)).float() * scaling + bias
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    kv_heads = k.shape[1]
+    rows = heads // kv_heads * tokens
+    scores = torch.baddbmm(bias, q.reshape(kv_heads, rows, dim), k[0].transpose(-1, -2), alpha=scaling)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v[0])
     return out.view(1, heads, tokens, dim).transpose(1, 2)
 
 

@@ -430,9 +430,9 @@ class GraphedStep:
         if i == 0:
             p.positions = self.cache.position + p.steps
             ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
-            bias = torch.zeros(ahead.shape, device=ahead.device).masked_fill_(ahead, float("-inf"))
-            p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
             hidden = lean.inner.embed_tokens(p.ids)
+            bias = torch.zeros(ahead.shape, device=ahead.device, dtype=hidden.dtype).masked_fill_(ahead, float("-inf"))
+            p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
             p.cos, p.sin = lean.rotary(hidden, p.positions[None])
             start = 0
         else:

@@ -75,6 +75,12 @@ def check(config: BenchConfig) -> None:
                          f"eager run of the pieces)")
 
 
+def step_mode(config: BenchConfig) -> str:
+    """How the target's and the draft's steps run: the pieces a GPU graphs, run eagerly (``graphs``), or
+    as they run here by default (``models/graphed.py``)."""
+    return "static" if config.graphs else "auto"
+
+
 def budget_fraction(config: BenchConfig, profile: Profile) -> float:
     """The device's expert slots under ``profile``, as a fraction: the run's if given, else the profile's."""
     return profile.budget if config.budget is None else config.budget
@@ -88,7 +94,7 @@ def budget_for(config: BenchConfig, profile: Profile) -> SlotConfig:
 def load_target(config: BenchConfig, timing: Timing, profile: Profile, policy: str) -> OffloadedTarget:
     """A target for ``policy`` at the profile's budget, on its own clock, with the profile's link and host."""
     target = OffloadedTarget.load(config.model, budget_for(config, profile), timing.link, policy,
-                                  clock=timing.make_clock(), **({"step": "static"} if config.graphs else {}))
+                                  clock=timing.make_clock(), step=step_mode(config))
     target.offload.set_host(timing.host)
     return target
 
@@ -130,10 +136,10 @@ def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     check(config)
     per_profile, step_s, per_token = timings(config)
     mode = config.draft_mode or ("auto" if config.clock == "wall" else FIXED_DRAFT_MODE)
-    draft = load_draft(config.draft, mode=mode, **({"step": "static"} if config.graphs else {}))
+    draft = load_draft(config.draft, mode=mode, step=step_mode(config))
+    dispatch = per_profile[config.profiles[0]].dispatch
     results: dict[str, Any] = {"clock": config.clock, "graphs": config.graphs,
-                               "dispatch": per_profile[config.profiles[0]].dispatch.describe()
-                               if per_profile[config.profiles[0]].dispatch is not None else None,
+                               "dispatch": dispatch.describe() if dispatch is not None else None,
                                "step_s": step_s, "bytes_per_token": per_token,
                                "draft_mode": getattr(draft, "mode", None), "rho_override": config.rho,
                                "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,

@@ -46,7 +46,7 @@ from specter.request import (
 from specter.stats import RequestStats
 from specter.target import OffloadedTarget, crop_cache
 from specter.timing.costs import CostModel
-from specter.timing.dispatch import READS, defer_read, drop_deferred, flush_reads, host_read
+from specter.timing.dispatch import READS, defer_read, drop_deferred, flush_reads, host_read, once_per_step
 from specter.verify.accept import accept_greedy, accept_sampled
 from specter.verify.sampling import choose, coupled_draw, probabilities
 
@@ -307,10 +307,11 @@ class Engine:
             defer_read(made, back)  # read with the step's first read of device data
         ids = made if made is not None else torch.tensor([[request.seq[-1]]])
         logits = self.target.forward(ids, request.cache)[0]
-        token = torch.argmax(logits, dim=-1).view(1, 1)
-        if last:
-            defer_read(token, back)
-        flush_reads()  # what no read during the step brought: a fully resident step's routing and tokens
+        with once_per_step():  # the step's own, not its layers' (the as-built clock)
+            token = torch.argmax(logits, dim=-1).view(1, 1)
+            if last:
+                defer_read(token, back)
+            flush_reads()  # what no read during the step brought: a fully resident step's routing and tokens
         true = {layer: set(experts) for layer, experts in self.target.offload.last_needed.items()}
         tally = request.tally
         tally.last = (0.0, self.clock.now() - t0)
@@ -350,15 +351,16 @@ class Engine:
         t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
-        if sampling.greedy:
-            n, nxt = accept_greedy(logits, drafts)
-        elif drafts:
-            position = len(seq) + len(drafts)  # of the token after the drafts, as the draft's guess names it
-            n, nxt = accept_sampled(probabilities(logits, sampling), torch.stack(qs), drafts, gen,
-                                    lambda p: coupled_draw(p, sampling.seed, position))
-        else:
-            n, nxt = 0, choose(logits[-1], sampling, gen)
-        flush_reads()  # a fully resident layer's routing, if the acceptance's read did not bring it
+        with once_per_step():  # the pass's own, not its layers' (the as-built clock)
+            if sampling.greedy:
+                n, nxt = accept_greedy(logits, drafts)
+            elif drafts:
+                position = len(seq) + len(drafts)  # of the token after the drafts, as the draft's guess names it
+                n, nxt = accept_sampled(probabilities(logits, sampling), torch.stack(qs), drafts, gen,
+                                        lambda p: coupled_draw(p, sampling.seed, position))
+            else:
+                n, nxt = 0, choose(logits[-1], sampling, gen)
+            flush_reads()  # a fully resident layer's routing, if the acceptance's read did not bring it
         true = {layer: set(ids) for layer, ids in self.target.offload.last_needed.items()}
         tally.last = (t1 - t0, self.clock.now() - t1)
         tally.draft_s += tally.last[0]

@@ -23,6 +23,7 @@ from specter.timing.dispatch import (
     drop_deferred,
     flush_reads,
     host_read,
+    once_per_step,
     replay,
 )
 
@@ -234,6 +235,106 @@ def test_a_graphs_replay_is_one_launch_and_its_kernels_take_the_device_floor():
         _ops(20)
         eager.charge_expert(1)
     assert eager.now() == pytest.approx(20 * 10e-6)  # eager: the host's launches bound it
+
+
+class _Deep(_Costs):
+    layer_scale = 6.0  # each small layer stands for six real ones
+
+
+def test_a_steps_own_dispatch_is_charged_once_where_a_layer_stands_for_several():
+    """A layer's ops, reads and kernels are charged once per real layer; a step's own
+    (``once_per_step``: embedding, LM head, the step's read; a whole step's one launch) once."""
+    clock = VirtualClock(_Deep(), dispatch=Dispatch("t", op_s=10e-6, read_s=20e-6, kernel_s=1e-6))
+    with clock.counting(), DispatchCount() as counted:
+        _ops(4)  # a layer's
+        with once_per_step():
+            _ops(2)
+        assert clock.now() == pytest.approx((4 * 6 + 2) * 10e-6)
+        with once_per_step():
+            host_read(_X)  # the step's read: one, not six
+        clock.now()
+        assert clock.dispatch_s == pytest.approx((4 * 6 + 2) * 10e-6 + 20e-6)
+        with replay(per_step=True):  # a whole step in one graph: one launch, its layers' kernels
+            _ops(5)
+        clock.charge_expert(1)
+    assert (counted.ops, counted.step_ops, counted.reads, counted.step_reads) == (7, 3, 1, 1)
+    assert (counted.kernels, counted.step_kernels) == (11, 2)
+    assert clock.dispatch_s == pytest.approx((4 * 6 + 2 + 1) * 10e-6 + 20e-6)
+    # the replay's kernels, a floor each per real layer, start as its launch is issued and outlast it
+    assert clock.now() == pytest.approx((4 * 6 + 2) * 10e-6 + 20e-6 + 5 * 6 * 1e-6)
+
+
+def _deep_held_out(folder: Path, layers: int) -> Path:
+    """``build_held_out``'s model with ``layers`` layers instead of four."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    build_held_out(folder / "four")
+    config = AutoConfig.from_pretrained(folder / "four").to_dict()
+    config["num_hidden_layers"], config["layer_types"] = layers, config["layer_types"][:layers]
+    config = type(AutoConfig.from_pretrained(folder / "four")).from_dict(config)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
+    model.save_pretrained(folder / str(layers))
+    return folder / str(layers)
+
+
+def _decode_counts(folder: Path, what: str, step: str, work: Path) -> dict[str, int]:
+    """What 8 tokens more cost in ops, reads and kernels, and how many of each were a step's own:
+    ``plain`` decoding through the engine, a ``draft``'s one-token steps, a ``verify`` pass of 4."""
+    names = ("ops", "reads", "kernels", "step_ops", "step_reads", "step_kernels")
+    if what == "draft":
+        quantize_model(str(folder), str(work / "draft"), method="int8", progress=False)
+        draft = load_draft(work / "draft", device="cpu", mode="dequant-cache", step=step)
+        cache = draft.new_cache()
+        draft.forward(torch.tensor([PROMPT]), cache)
+        for token in (5, 6):  # every step shape's first runs behind it
+            draft.forward(torch.tensor([[token]]), cache)
+        with DispatchCount() as counted:
+            for token in range(8):
+                draft.forward(torch.tensor([[token]]), cache)
+        return {name: getattr(counted, name) for name in names}
+    target = OffloadedTarget.load(folder, SlotConfig(fraction=1.0), FAST, "demand-lru", step=step)
+    try:
+        if what == "plain":
+            engine = Engine(target)
+            engine.prepare_steps()
+            engine.generate_fresh(PROMPT, 4)
+            runs = []
+            for new in (2, 10):  # the decode of 8 tokens more: the prompt's transformers forward cancels
+                with DispatchCount() as counted:
+                    engine.generate_fresh(PROMPT, new)
+                runs.append(counted)
+            return {name: getattr(runs[1], name) - getattr(runs[0], name) for name in names}
+        cache = target.new_cache()
+        target.forward(torch.tensor([PROMPT]), cache)
+        for _ in range(3):  # the first runs of a 4-token pass behind it
+            target.forward(torch.tensor([[1, 2, 3, 4]]), cache)
+            flush_reads()
+        with DispatchCount() as counted:
+            for _ in range(2):
+                target.forward(torch.tensor([[1, 2, 3, 4]]), cache)
+                with once_per_step():  # as the engine's round reads what the pass left
+                    flush_reads()
+        return {name: getattr(counted, name) for name in names}
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+@pytest.mark.parametrize("what", ["plain", "draft", "verify"])
+def test_what_a_step_issues_once_does_not_grow_with_its_layers(tmp_path, what, step):
+    """The ops, reads and kernels marked as a step's own are the same at two and four layers, and all
+    the others exactly twice as many at four: what the as-built clock scales per layer is per layer."""
+    two, four = (_decode_counts(_deep_held_out(tmp_path / str(n), n), what, step, tmp_path / str(n)) for n in (2, 4))
+    for name in ("ops", "reads", "kernels"):
+        own = two["step_" + name]
+        assert four["step_" + name] == own, name
+        assert four[name] - own == 2 * (two[name] - own), name
+    assert two["step_ops"] > 0 and two["step_kernels"] > 0
 
 
 def test_without_counting_or_dispatch_the_virtual_clock_is_the_ideal_one():

@@ -27,7 +27,7 @@ from specter.models.families import family_for
 from specter.models.graphed import GraphedStep, StaticKV, resolve_step
 from specter.models.loader import LoadedModel, build_dense
 from specter.models.routing import Routing, read_routing, read_routing_rows, router_modules
-from specter.timing.dispatch import host_read
+from specter.timing.dispatch import host_read, once_per_step
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +256,9 @@ class DraftModel:
                 self._routing = self.lean.routing()
         else:
             logits = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None).logits
-        # the routing and the last position's argmax (the greedy draft token) in one read
-        self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
-        return logits.float()
+        with once_per_step():  # the routing and the last position's argmax (the greedy draft token) in one read
+            self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
+            return logits.float()
 
     @property
     def batches(self) -> bool:

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specter.timing.dispatch import once_per_step
+
 LEAN_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
 
 
@@ -107,10 +109,12 @@ class LeanStep:
         tokens, past = input_ids.shape[1], cache.get_seq_length()
         device = input_ids.device
         mask = None
-        if tokens > 1:  # what transformers' sdpa mask is for these positions: key j for query i iff j <= past + i
-            positions = torch.arange(past, past + tokens, device=device)
-            mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[:, None])[None, None]
-        return self._run(input_ids, self.rotation(past, tokens), mask, cache)
+        with once_per_step():
+            if tokens > 1:  # transformers' sdpa mask for these positions: key j for query i iff j <= past + i
+                positions = torch.arange(past, past + tokens, device=device)
+                mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[:, None])[None, None]
+            rotation = self.rotation(past, tokens)
+        return self._run(input_ids, rotation, mask, cache)
 
     def batch(self, inputs: list[torch.Tensor], caches: list[DynamicCache]) -> list[torch.Tensor]:
         """Several sequences in one step (fused only): ``inputs[i]`` (1, T_i) after ``caches[i]`` (a
@@ -127,21 +131,25 @@ class LeanStep:
         device = inputs[0].device
         lengths = [ids.shape[1] for ids in inputs]
         pasts = [cache.get_seq_length() for cache in caches]
-        positions = torch.tensor([[p + j for p, t in zip(pasts, lengths, strict=True) for j in range(t)]], device=device)
         segments = []
-        for cache, past, tokens in zip(caches, pasts, lengths, strict=True):
-            mask = None
-            if tokens > 1:  # as ``__call__``'s, for this sequence alone
-                here = torch.arange(past, past + tokens, device=device)
-                mask = (torch.arange(past + tokens, device=device)[None, :] <= here[:, None])[None, None]
-            segments.append((cache, mask, tokens))
-        rotation = self.rotary(self.inner.embed_tokens.weight, positions)
-        logits = self._run(torch.cat(inputs, dim=1), rotation, None, None, segments)
+        with once_per_step():
+            positions = torch.tensor([[p + j for p, t in zip(pasts, lengths, strict=True) for j in range(t)]],
+                                     device=device)
+            for cache, past, tokens in zip(caches, pasts, lengths, strict=True):
+                mask = None
+                if tokens > 1:  # as ``__call__``'s, for this sequence alone
+                    here = torch.arange(past, past + tokens, device=device)
+                    mask = (torch.arange(past + tokens, device=device)[None, :] <= here[:, None])[None, None]
+                segments.append((cache, mask, tokens))
+            rotation = self.rotary(self.inner.embed_tokens.weight, positions)
+            ids = torch.cat(inputs, dim=1)
+        logits = self._run(ids, rotation, None, None, segments)
         return list(logits.split(lengths, dim=1))
 
     def _run(self, input_ids: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
              cache: Any, segments: list[tuple[Any, torch.Tensor | None, int]] | None = None) -> torch.Tensor:
-        hidden = self.inner.embed_tokens(input_ids)
+        with once_per_step():
+            hidden = self.inner.embed_tokens(input_ids)
         cos, sin = rotation
         for i, layer in enumerate(self.layers):
             x = _rms(layer.input_layernorm, hidden)
@@ -151,7 +159,8 @@ class LeanStep:
             else:
                 hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden, segments)
                 hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
-        return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
+        with once_per_step():
+            return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
 
     def rotation(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary``'s cos and sin at positions ``start`` to ``start + tokens``: views of a table of many

@@ -48,7 +48,7 @@ from transformers import DynamicCache
 from specter.experts.grouped import weighted_sum
 from specter.models.decode import _experts_with_residual, _rms
 from specter.models.routing import Routing
-from specter.timing.dispatch import replay
+from specter.timing.dispatch import once_per_step, replay
 
 log = logging.getLogger(__name__)
 STEP_MODES = ("auto", "graph", "static", "eager")  # how a model's steps after the prompt run (see load())
@@ -243,10 +243,11 @@ class GraphedStep:
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         cache, tokens = self.cache, input_ids.shape[1]
-        cache.reserve(cache.length + tokens)
-        cache.position.fill_(cache.length)
-        pieces = self._pieces(tokens, self._resident())
-        pieces.ids.copy_(input_ids, non_blocking=True)
+        with once_per_step():
+            cache.reserve(cache.length + tokens)
+            cache.position.fill_(cache.length)
+            pieces = self._pieces(tokens, self._resident())
+            pieces.ids.copy_(input_ids, non_blocking=True)
         pieces.calls += 1
         graphed = self.capture and pieces.calls >= CAPTURE_AFTER
         stale = graphed and pieces.version != cache.version  # no capture over these buffers yet
@@ -260,7 +261,7 @@ class GraphedStep:
             if graphed:
                 pieces.graphs[i].replay()
             elif self.stands_in and pieces.calls >= CAPTURE_AFTER:  # a CPU: what a GPU replays, counted so
-                with replay():
+                with replay(per_step=i == 0):  # L + 1 launches for L split layers: one is the step's own
                     self._piece(pieces, i)
             else:
                 self._piece(pieces, i)
@@ -270,7 +271,8 @@ class GraphedStep:
             for fused, routing in zip(self.lean.fused, pieces.routing, strict=True):
                 fused.routing = routing
         cache.length += tokens
-        return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
+        with once_per_step():
+            return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
 
     def _pieces(self, tokens: int, slots: tuple[tuple[int, ...], ...] | None) -> _Pieces:
         """The token count's pieces: cut at the split layers, or (``slots``: every split layer's experts
@@ -342,7 +344,7 @@ class GraphedStep:
         if graphed:
             p.graphs[0].replay()
         elif self.stands_in and p.calls >= CAPTURE_AFTER:
-            with replay():
+            with replay(per_step=True):  # one launch a step, whatever its layers
                 self._whole_pass(p)
         else:
             self._whole_pass(p)
@@ -428,12 +430,14 @@ class GraphedStep:
         attention and router of split ``i``'s layer (or to the logits)."""
         lean = self.lean
         if i == 0:
-            p.positions = self.cache.position + p.steps
-            ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
-            hidden = lean.inner.embed_tokens(p.ids)
-            bias = torch.zeros(ahead.shape, device=ahead.device, dtype=hidden.dtype).masked_fill_(ahead, float("-inf"))
-            p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
-            p.cos, p.sin = lean.rotary(hidden, p.positions[None])
+            with once_per_step():
+                p.positions = self.cache.position + p.steps
+                ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
+                hidden = lean.inner.embed_tokens(p.ids)
+                bias = torch.zeros(ahead.shape, device=ahead.device, dtype=hidden.dtype).masked_fill_(
+                    ahead, float("-inf"))
+                p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
+                p.cos, p.sin = lean.rotary(hidden, p.positions[None])
             start = 0
         else:
             layer = self.splits[i - 1]
@@ -459,7 +463,8 @@ class GraphedStep:
                     p.routes.append(route)
                 return
             hidden = fused.mlp(layer.mlp, x, hidden)
-        p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
+        with once_per_step():
+            p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
 
     def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:
         """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input: with slot

@@ -122,7 +122,7 @@ class VirtualClock(WallClock):
         self._issued = 0.0  # the host's time at the previous flush: where the work charged since was issued
         self._mark = time.perf_counter()
         self._counter: DispatchCount | None = None
-        self._counted = (0, 0, 0)  # ops, reads, kernels already turned into time
+        self._counted = (0, 0, 0, 0, 0, 0)  # ops, reads, kernels (then the step's own of each) turned into time
         self.draft_charged = 0.0  # seconds charged to draft forwards so far (the bound's device part)
         self.dispatch_s = 0.0  # host seconds of dispatch charged so far (ops and reads)
 
@@ -143,7 +143,7 @@ class VirtualClock(WallClock):
     def _count(self) -> Iterator[None]:
         self._flush()
         counter = DispatchCount()
-        self._counter, self._counted = counter, (0, 0, 0)
+        self._counter, self._counted = counter, (0, 0, 0, 0, 0, 0)
         try:
             with counter:
                 yield
@@ -156,18 +156,21 @@ class VirtualClock(WallClock):
         counter, dispatch = self._counter, self.dispatch
         if counter is None or dispatch is None:
             return
-        ops, reads = counter.ops - self._counted[0], counter.reads - self._counted[1]
-        kernels = counter.kernels - self._counted[2]
-        if not (ops or reads or kernels):
+        now = (counter.ops, counter.reads, counter.kernels, counter.step_ops, counter.step_reads,
+               counter.step_kernels)
+        if now == self._counted:
             return
-        self._counted = (counter.ops, counter.reads, counter.kernels)
-        # each layer of the small model stands for ``layer_scale`` real ones, and so do its ops and reads
+        new = [a - b for a, b in zip(now, self._counted, strict=True)]
+        self._counted = now
+        # each layer of the small model stands for ``layer_scale`` real ones, and so do its ops and reads;
+        # a step's own (``once_per_step``: the embedding, the LM head, the step's read) stay one each
         scale = getattr(self.costs, "layer_scale", 1.0)
-        op_s, read_s = ops * dispatch.op_s * scale, reads * dispatch.read_s * scale
+        ops, reads, kernels = ((new[i] - new[i + 3]) * scale + new[i + 3] for i in range(3))
+        op_s, read_s = ops * dispatch.op_s, reads * dispatch.read_s
         self._issued = self._host
         self._host += op_s
         if kernels and dispatch.kernel_s:  # the device's floor per kernel, from when they were issued
-            self._t = max(self._t, self._issued) + kernels * dispatch.kernel_s * scale
+            self._t = max(self._t, self._issued) + kernels * dispatch.kernel_s
         self.dispatch_s += op_s + read_s
         if reads:  # the host waits for the device to drain, then for the copy back
             self._host = self._t = max(self._t, self._host) + read_s

@@ -14,6 +14,10 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 * ``replay()`` — ops issued inside count as one launch: a captured CUDA graph's replay. On a CPU the
   graphed steps' pieces (``models/graphed.py``) run eagerly inside it, so the counts and the as-built
   clock see what a GPU's replay of them issues.
+* ``once_per_step()`` — ops, kernels and reads issued inside are a step's own, not a layer's (the token
+  embedding, the mask and rotation, the final norm and the LM head, the step's token and routing
+  read): the as-built clock charges them once where a small model's layer stands for several real
+  ones (``DispatchCount.step_ops``), and everything else once per real layer.
 * ``DispatchCount`` — a ``TorchDispatchMode`` that counts the ops reaching a kernel (views,
   allocations and other metadata-only ops excluded), every ``tolist``, ``item``, ``int(t)``,
   ``float(t)`` or ``bool(t)`` made while it is active (``reads``: through ``host_read`` or not, so
@@ -105,9 +109,20 @@ class _Reads:
 READS = _Reads()
 _ACTIVE: list[DispatchCount] = []
 _REPLAYING = [0]  # depth of ``replay()`` blocks
+_ONCE = [0]  # depth of ``once_per_step()`` blocks
 
 
 _DEFERRED: list[tuple[torch.Tensor, Callable[[np.ndarray], None]]] = []
+
+
+@contextmanager
+def once_per_step() -> Iterator[None]:
+    """What is issued inside is the step's own, whatever its layers (``DispatchCount.step_ops``)."""
+    _ONCE[0] += 1
+    try:
+        yield
+    finally:
+        _ONCE[0] -= 1
 
 
 def host_read(tensor: torch.Tensor) -> Any:
@@ -157,8 +172,9 @@ def _read_together(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 
 @contextmanager
-def replay() -> Iterator[None]:
-    """The ops inside are one CUDA graph's replay: counted as one op (``graph_replay``), not each."""
+def replay(per_step: bool = False) -> Iterator[None]:
+    """The ops inside are one CUDA graph's replay: counted as one op (``graph_replay``), not each;
+    ``per_step``: the launch is the step's own (a whole step in one graph), its kernels the layers'."""
     _REPLAYING[0] += 1
     try:
         yield
@@ -167,6 +183,7 @@ def replay() -> Iterator[None]:
         if not _REPLAYING[0]:
             for counter in _ACTIVE:
                 counter.ops += 1
+                counter.step_ops += per_step or _ONCE[0] > 0
                 counter.by_name["graph_replay"] = counter.by_name.get("graph_replay", 0) + 1
 
 
@@ -180,6 +197,8 @@ class DispatchCount(TorchDispatchMode):
         self.kernels = 0  # kernels the device runs (inside a replay too)
         self.syncs = 0
         self.reads = 0
+        # of those, issued inside ``once_per_step()``: the step's own, not its layers'
+        self.step_ops = self.step_kernels = self.step_reads = 0
         self.by_name: dict[str, int] = {}
 
     def __enter__(self) -> DispatchCount:
@@ -197,14 +216,18 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
+        once = _ONCE[0] > 0
         if name == "_local_scalar_dense":  # item(), int(t), float(t), bool(t): a read of one value
             self.reads += 1
+            self.step_reads += once
         if name in _SYNCING:
             self.syncs += 1
         if not (func.is_view or name in _FREE):
             self.kernels += 1
+            self.step_kernels += once
             if not _REPLAYING[0]:
                 self.ops += 1
+                self.step_ops += once
                 self.by_name[name] = self.by_name.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -220,6 +243,7 @@ def _patch_reads() -> None:
     def counted(self: torch.Tensor, *args: Any) -> Any:
         for counter in _ACTIVE:
             counter.reads += 1
+            counter.step_reads += _ONCE[0] > 0
         return original(self, *args)
 
     torch.Tensor.tolist = counted  # type: ignore[method-assign, assignment]

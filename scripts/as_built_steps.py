@@ -1,9 +1,10 @@
 """The as-built clock's prediction for this code on the H200, eager and with CUDA graphs.
 
-    python scripts/as_built_steps.py [--out DIR]
+    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--out DIR]
 
 ``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
-``qwen2moe-h200`` profile cut to 4 layers), 3 prompts x 48 tokens, medians, on the as-built clock:
+``qwen2moe-h200`` profile cut to 4 layers; ``--workload`` takes another of its workloads, e.g.
+``mixtral-agree``: Mixtral's shapes on ``mixtral-h200``, a draft that agrees), 3 prompts x 48 tokens, medians, on the as-built clock:
 the eager lean steps at the ``h200-eager`` calibration, and the static pieces a GPU replays as CUDA
 graphs (``step="static"``: each piece one launch, its kernels a device floor each) at ``h200-graphs``
 (``specter/timing/dispatch.py``) — once as the H200 ran them at fa408d0 (each token count's first
@@ -39,12 +40,15 @@ import validate_dispatch as vd  # noqa: E402  (its workloads and profile cut)
 parser = argparse.ArgumentParser(description="the as-built clock's prediction, eager and graphed")
 parser.add_argument("--out", default="runs/as-built-steps")
 parser.add_argument("--work", default=None, help="keep the synthetic model here (default: a temporary folder)")
+parser.add_argument("--workload", default="qwen-led", choices=sorted(vd.WORKLOADS),
+                    help="validate_dispatch.py's workload (default qwen-led; mixtral-agree: Mixtral's shapes "
+                         "with a draft that agrees, issue 34's Mixtral targets)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 synthetic = vd._synthetic()
 work = Path(args.work or tempfile.mkdtemp(prefix="specter-as-built-"))
 work.mkdir(parents=True, exist_ok=True)
-shape, gain, profile_name, shrink = vd.WORKLOADS["qwen-led"]
+shape, gain, profile_name, shrink = vd.WORKLOADS[args.workload]
 model = work / "model"
 if not model.exists():
     synthetic.build_synthetic(shape, model, layers=4, gain=gain, shrink=shrink, dtype=torch.float32)
@@ -74,7 +78,7 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
-        row = {"step": step, "dispatch": dname, "prepared": prepared, "setting": setting,
+        row = {"workload": args.workload, "step": step, "dispatch": dname, "prepared": prepared, "setting": setting,
                "tpot_ms": statistics.median(tpots),
                "accepted_per_window": acc}
         print(json.dumps(row), flush=True)

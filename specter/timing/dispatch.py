@@ -29,6 +29,7 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,7 +110,15 @@ class _Reads:
 READS = _Reads()
 _ACTIVE: list[DispatchCount] = []
 _REPLAYING = [0]  # depth of ``replay()`` blocks
-_ONCE = [0]  # depth of ``once_per_step()`` blocks
+
+
+class _Depth(threading.local):
+    """How deep this thread is in ``once_per_step()`` blocks (another thread's step is not this one's)."""
+
+    n = 0
+
+
+_ONCE = _Depth()
 
 
 _DEFERRED: list[tuple[torch.Tensor, Callable[[np.ndarray], None]]] = []
@@ -118,11 +127,11 @@ _DEFERRED: list[tuple[torch.Tensor, Callable[[np.ndarray], None]]] = []
 @contextmanager
 def once_per_step() -> Iterator[None]:
     """What is issued inside is the step's own, whatever its layers (``DispatchCount.step_ops``)."""
-    _ONCE[0] += 1
+    _ONCE.n += 1
     try:
         yield
     finally:
-        _ONCE[0] -= 1
+        _ONCE.n -= 1
 
 
 def host_read(tensor: torch.Tensor) -> Any:
@@ -183,7 +192,7 @@ def replay(per_step: bool = False) -> Iterator[None]:
         if not _REPLAYING[0]:
             for counter in _ACTIVE:
                 counter.ops += 1
-                counter.step_ops += per_step or _ONCE[0] > 0
+                counter.step_ops += per_step or _ONCE.n > 0
                 counter.by_name["graph_replay"] = counter.by_name.get("graph_replay", 0) + 1
 
 
@@ -216,7 +225,7 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        once = _ONCE[0] > 0
+        once = _ONCE.n > 0
         if name == "_local_scalar_dense":  # item(), int(t), float(t), bool(t): a read of one value
             self.reads += 1
             self.step_reads += once
@@ -243,7 +252,7 @@ def _patch_reads() -> None:
     def counted(self: torch.Tensor, *args: Any) -> Any:
         for counter in _ACTIVE:
             counter.reads += 1
-            counter.step_reads += _ONCE[0] > 0
+            counter.step_reads += _ONCE.n > 0
         return original(self, *args)
 
     torch.Tensor.tolist = counted  # type: ignore[method-assign, assignment]

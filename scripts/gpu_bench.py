@@ -41,7 +41,11 @@ from for a one-off in them). Each in-process run first captures every token coun
 that still ran a count first or captured: 0 when that worked). ``--smoke --static`` runs the steps as
 the static pieces a GPU graphs, eagerly (the CPU test of that path). Per shape also the draft's one-token
 step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run eagerly), against
-the engine's resident step. Writes ``gpu_bench.json`` and ``gpu_bench.md`` (the report:
+the engine's resident step. Before the shapes, a few seconds of ``kernel_probe``: what a small
+kernel takes inside a CUDA graph (the as-built clock's ``h200-graphs`` floor is 5.5 µs) and an
+RMSNorm as torch's ``F.rms_norm`` (one fused kernel where torch has one) against the engine's own
+(about eight kernels in bf16; two RMSNorms a layer are ~12 of the ~47 kernels of a layer's step).
+Writes ``gpu_bench.json`` and ``gpu_bench.md`` (the report:
 ``gpu_bench_report.py``, beside this script) under ``--out``. On a CPU (``--smoke``: shrunk shapes,
 1 layer, a few tokens, a simulated link) the same code runs as a test of the script
 (``tests/test_gpu_bench.py``).
@@ -121,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                                "repeats": repeats, "new_tokens": new_tokens, "budgets": budgets, "shapes": {}}
+    try:  # seconds: what the as-built clock's kernel floor stands for (its failure stops no shape)
+        results["kernels"] = kernel_probe(cuda)
+    except Exception as exc:
+        results["kernels"] = {"status": f"failed: {type(exc).__name__}: {exc}"}
     scratch = tempfile.TemporaryDirectory(prefix="specter-bench-")
     models = Path(args.models) if args.models else Path(scratch.name)
     for shape in shapes:
@@ -141,6 +149,54 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     scratch.cleanup()
     return 0
+
+
+def kernel_probe(cuda: bool, hidden: int = 2048, count: int = 256, replays: int = 20) -> dict[str, Any]:
+    """What a small kernel costs inside a CUDA graph, and what an RMSNorm costs there as one call of
+    ``F.rms_norm`` (one fused kernel where torch has one: ``_fused_rms_norm``) against the engine's own
+    (``models/decode.py``'s, transformers' arithmetic: about eight kernels in bf16). The as-built clock's
+    ``h200-graphs`` charges 5.5 µs a kernel; this says what the device takes (bf16, one row of
+    ``hidden``, ``count`` calls a graph, the median of ``replays`` replays)."""
+    if not cuda:
+        return {"status": "skipped: needs CUDA"}
+    import torch.nn.functional as F
+
+    def engine_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # decode.py's _rms_weight
+        up = x.float()
+        return weight * (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def per_call_us(body: Any) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: kernels chosen and loaded before the capture
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(count):
+                body()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / count)
+        return round(statistics.median(times), 2)
+
+    out: dict[str, Any] = {"status": "ok", "hidden": hidden, "calls_per_graph": count}
+    out["fused_rms_norm_cuda"] = bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA"))
+    out["add_us"] = per_call_us(lambda: x.add_(0))  # one small kernel
+    out["rms_norm_fused_us"] = per_call_us(lambda: F.rms_norm(x, (hidden,), weight, 1e-6))
+    out["rms_norm_engine_us"] = per_call_us(lambda: engine_rms(x, weight, 1e-6))
+    ref = engine_rms(x, weight, 1e-6).float()
+    out["rms_norm_max_diff"] = float((F.rms_norm(x, (hidden,), weight, 1e-6).float() - ref).abs().max())
+    return out
 
 
 def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, new_tokens: int,

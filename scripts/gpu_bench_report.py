@@ -14,6 +14,14 @@ def markdown(results: dict[str, Any]) -> str:
     draft's step."""
     lines = [f"# GPU bench ({results['device']}, torch {results['torch']}, {results['repeats']} repeats interleaved, "
              f"{results['new_tokens']} tokens, medians)", ""]
+    kernels = results.get("kernels", {})
+    if kernels.get("status") == "ok":
+        lines += [f"Kernels in a CUDA graph (bf16, one row of {kernels['hidden']}): a small kernel "
+                  f"{kernels['add_us']} µs (the as-built clock charges 5.5); an RMSNorm as `F.rms_norm` "
+                  f"{kernels['rms_norm_fused_us']} µs (fused kernel: {kernels['fused_rms_norm_cuda']}), as the engine's "
+                  f"{kernels['rms_norm_engine_us']} µs; max difference {kernels['rms_norm_max_diff']:.3g}.", ""]
+    elif kernels:
+        lines += [f"Kernels in a CUDA graph: {kernels['status']}.", ""]
     for shape, block in results["shapes"].items():
         if "error" in block:
             lines += [f"## {shape}: failed", "", f"    {block['error']}", ""]

@@ -21,6 +21,8 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "gpu_bench.json").read_text())
     markdown = (tmp_path / "gpu_bench.md").read_text()
+    assert results["kernels"] == {"status": "skipped: needs CUDA"}  # the graph's kernel probe: a device's
+    assert "Kernels in a CUDA graph: skipped: needs CUDA." in markdown
     for shape in ("qwen1.5-moe", "mixtral-8x7b"):
         block = results["shapes"][shape]
         assert "error" not in block, block.get("trace")

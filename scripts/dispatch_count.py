@@ -9,7 +9,8 @@ token after the same prompt; the difference is the decode's own dispatch. ``--st
 counts each setting with the eager lean steps (a CPU's default) and with the pieces a GPU replays as
 CUDA graphs (``models/graphed.py``; each replay one op); ``--prepare`` makes every token count's steps
 ready before the runs (``Engine.prepare_steps``, as the GPU bench does), so no count's first steps run
-eagerly inside them.
+eagerly inside them. Beside ops and reads, the kernels the device runs (inside a replay too): what a
+graphed step takes at least, a floor each (``Dispatch.kernel_s``).
 
     python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--prepare] [--json OUT]
 """
@@ -57,6 +58,7 @@ def count(engine: Engine, prompt: list[int], tokens: int) -> tuple[DispatchCount
     (short, n1), (long, n2) = runs
     diff = DispatchCount()
     diff.ops, diff.reads, diff.syncs = long.ops - short.ops, long.reads - short.reads, long.syncs - short.syncs
+    diff.kernels = long.kernels - short.kernels
     diff.by_name = {k: v - short.by_name.get(k, 0) for k, v in long.by_name.items()}
     rounds = stats.extra.get("rounds") or len(ids)
     return diff, n2 - n1, len(ids) / rounds
@@ -92,12 +94,13 @@ def main() -> int:
                 per = tokens * len(target.loaded.moe_layers)
                 rows.append({"setting": f"{name} ({step}{', prepared' if args.prepare else ''})", "tokens": tokens, "tokens_per_round": per_round,
                              "ops": counted.ops / per, "reads": counted.reads / per, "syncs": counted.syncs / per,
+                             "kernels": counted.kernels / per,
                              "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
                 target.close()
-    print("| setting | ops / MoE layer / token | host reads | implicit syncs | tokens / round |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| setting | ops / MoE layer / token | kernels | host reads | implicit syncs | tokens / round |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['setting']} | {row['ops']:.1f} | {row['reads']:.2f} | {row['syncs']:.2f} "
+        print(f"| {row['setting']} | {row['ops']:.1f} | {row['kernels']:.1f} | {row['reads']:.2f} | {row['syncs']:.2f} "
               f"| {row['tokens_per_round']:.2f} |")
         if args.top:
             print("    " + ", ".join(f"{k} {v}" for k, v in row["top"]))

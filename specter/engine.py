@@ -307,7 +307,7 @@ class Engine:
             defer_read(made, back)  # read with the step's first read of device data
         ids = made if made is not None else torch.tensor([[request.seq[-1]]])
         logits = self.target.forward(ids, request.cache)[0]
-        with once_per_step():  # the step's own, not its layers' (the as-built clock)
+        with once_per_step:  # the step's own, not its layers' (the as-built clock)
             token = torch.argmax(logits, dim=-1).view(1, 1)
             if last:
                 defer_read(token, back)
@@ -351,7 +351,7 @@ class Engine:
         t1 = self.clock.now()
         self.policy.begin_verify(round_id, len(drafts) + 1)
         logits = self.target.forward(torch.tensor([[seq[-1]] + drafts]), tcache)[0]
-        with once_per_step():  # the pass's own, not its layers' (the as-built clock)
+        with once_per_step:  # the pass's own, not its layers' (the as-built clock)
             if sampling.greedy:
                 n, nxt = accept_greedy(logits, drafts)
             elif drafts:

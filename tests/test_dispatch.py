@@ -247,10 +247,10 @@ def test_a_steps_own_dispatch_is_charged_once_where_a_layer_stands_for_several()
     clock = VirtualClock(_Deep(), dispatch=Dispatch("t", op_s=10e-6, read_s=20e-6, kernel_s=1e-6))
     with clock.counting(), DispatchCount() as counted:
         _ops(4)  # a layer's
-        with once_per_step():
+        with once_per_step:
             _ops(2)
         assert clock.now() == pytest.approx((4 * 6 + 2) * 10e-6)
-        with once_per_step():
+        with once_per_step:
             host_read(_X)  # the step's read: one, not six
         clock.now()
         assert clock.dispatch_s == pytest.approx((4 * 6 + 2) * 10e-6 + 20e-6)
@@ -262,24 +262,6 @@ def test_a_steps_own_dispatch_is_charged_once_where_a_layer_stands_for_several()
     assert clock.dispatch_s == pytest.approx((4 * 6 + 2 + 1) * 10e-6 + 20e-6)
     # the replay's kernels, a floor each per real layer, start as its launch is issued and outlast it
     assert clock.now() == pytest.approx((4 * 6 + 2) * 10e-6 + 20e-6 + 5 * 6 * 1e-6)
-
-
-def _deep_held_out(folder: Path, layers: int) -> Path:
-    """``build_held_out``'s model with ``layers`` layers instead of four."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    build_held_out(folder / "four")
-    config = AutoConfig.from_pretrained(folder / "four").to_dict()
-    config["num_hidden_layers"], config["layer_types"] = layers, config["layer_types"][:layers]
-    config = type(AutoConfig.from_pretrained(folder / "four")).from_dict(config)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.2 if "experts" in name or "gate" in name else 0.08)
-    model.save_pretrained(folder / str(layers))
-    return folder / str(layers)
 
 
 def _decode_counts(folder: Path, what: str, step: str, work: Path) -> dict[str, int]:
@@ -317,7 +299,7 @@ def _decode_counts(folder: Path, what: str, step: str, work: Path) -> dict[str, 
         with DispatchCount() as counted:
             for _ in range(2):
                 target.forward(torch.tensor([[1, 2, 3, 4]]), cache)
-                with once_per_step():  # as the engine's round reads what the pass left
+                with once_per_step:  # as the engine's round reads what the pass left
                     flush_reads()
         return {name: getattr(counted, name) for name in names}
     finally:
@@ -329,7 +311,8 @@ def _decode_counts(folder: Path, what: str, step: str, work: Path) -> dict[str, 
 def test_what_a_step_issues_once_does_not_grow_with_its_layers(tmp_path, what, step):
     """The ops, reads and kernels marked as a step's own are the same at two and four layers, and all
     the others exactly twice as many at four: what the as-built clock scales per layer is per layer."""
-    two, four = (_decode_counts(_deep_held_out(tmp_path / str(n), n), what, step, tmp_path / str(n)) for n in (2, 4))
+    two, four = (_decode_counts(build_held_out(tmp_path / str(n) / "model", layers=n), what, step, tmp_path / str(n))
+                 for n in (2, 4))
     for name in ("ops", "reads", "kernels"):
         own = two["step_" + name]
         assert four["step_" + name] == own, name

@@ -256,7 +256,7 @@ class DraftModel:
                 self._routing = self.lean.routing()
         else:
             logits = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None).logits
-        with once_per_step():  # the routing and the last position's argmax (the greedy draft token) in one read
+        with once_per_step:  # the routing and the last position's argmax (the greedy draft token) in one read
             self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
             return logits.float()
 

@@ -86,14 +86,15 @@ def build_synthetic(
     return folder
 
 
-def build_held_out(folder: str | Path) -> Path:
+def build_held_out(folder: str | Path, layers: int = 4) -> Path:
     """The held-out model the dispatch counts are taken on (``scripts/dispatch_count.py``, the tests):
     a seeded Qwen2-MoE of 4 MoE layers x 32 experts, top-4, with a shared expert, used to tune
-    nothing; its weights wide enough that routing margins are clear (as ``tests/tiny_models.py``'s)."""
+    nothing; its weights wide enough that routing margins are clear (as ``tests/tiny_models.py``'s).
+    ``layers``: the same model that many layers deep (how a count grows with depth)."""
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
     config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            shared_expert_intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                             num_key_value_heads=2, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
                             max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(7)

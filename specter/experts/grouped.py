@@ -97,15 +97,8 @@ class PairOutputs:
         in the last slot's group (every row in a group, as the grouped kernels are used everywhere
         else) and written to the scratch row ``T·k``."""
         pairs, slots = self.routes.pairs_by_slot(slot_of)
-        k, n = self.routes.k, len(pairs)
         ends = np.cumsum(np.bincount(slots, minlength=groups))
-        tokens, rows = pairs // k, pairs
-        if padded:
-            total = self.routes.tokens * k
-            tokens = np.concatenate([tokens, np.zeros(total - n, dtype=np.int64)])
-            rows = np.concatenate([rows, np.full(total - n, total, dtype=np.int64)])
-            ends[-1] = total
-        return np.concatenate([tokens, rows, ends]).astype(np.int32)
+        return plan_of(pairs // self.routes.k, pairs, ends, self.routes.tokens * self.routes.k if padded else None)
 
     def from_slots(self, storage: torch.Tensor, shape: ExpertShape, slot_of: dict[int, int],
                    graph: FromSlots | None = None) -> None:
@@ -168,6 +161,20 @@ def resident_experts(
     y = grouped_linear(act_fn(gate) * up, down, ends)
     pairs = hidden.new_empty(tokens * k, hidden.shape[-1]).index_put_((order,), y)
     return weighted_sum(pairs.view(tokens, k, -1), top_k_weights, residual)
+
+
+def plan_of(tokens: np.ndarray, rows: np.ndarray, ends: np.ndarray, padded_to: int | None = None) -> np.ndarray:
+    """A grouped call's plan as int32: the pairs' token rows, their output rows, the slots' cumulative
+    row counts. ``padded_to``: ``T·k`` rows whatever the pairs (a captured graph's input), the rows past
+    them token 0's in the last slot's group, written to the scratch row ``T·k`` (an empty padded plan
+    computes nothing)."""
+    if padded_to is not None:
+        extra = padded_to - len(tokens)
+        tokens = np.concatenate([tokens, np.zeros(extra, dtype=np.int64)])
+        rows = np.concatenate([rows, np.full(extra, padded_to, dtype=np.int64)])
+        ends = ends.copy()
+        ends[-1] = padded_to
+    return np.concatenate([tokens, rows, ends]).astype(np.int32)
 
 
 def planned_pairs(

@@ -109,7 +109,7 @@ class LeanStep:
         tokens, past = input_ids.shape[1], cache.get_seq_length()
         device = input_ids.device
         mask = None
-        with once_per_step():
+        with once_per_step:
             if tokens > 1:  # transformers' sdpa mask for these positions: key j for query i iff j <= past + i
                 positions = torch.arange(past, past + tokens, device=device)
                 mask = (torch.arange(past + tokens, device=device)[None, :] <= positions[:, None])[None, None]
@@ -132,7 +132,7 @@ class LeanStep:
         lengths = [ids.shape[1] for ids in inputs]
         pasts = [cache.get_seq_length() for cache in caches]
         segments = []
-        with once_per_step():
+        with once_per_step:
             positions = torch.tensor([[p + j for p, t in zip(pasts, lengths, strict=True) for j in range(t)]],
                                      device=device)
             for cache, past, tokens in zip(caches, pasts, lengths, strict=True):
@@ -148,7 +148,7 @@ class LeanStep:
 
     def _run(self, input_ids: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
              cache: Any, segments: list[tuple[Any, torch.Tensor | None, int]] | None = None) -> torch.Tensor:
-        with once_per_step():
+        with once_per_step:
             hidden = self.inner.embed_tokens(input_ids)
         cos, sin = rotation
         for i, layer in enumerate(self.layers):
@@ -159,7 +159,7 @@ class LeanStep:
             else:
                 hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden, segments)
                 hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
-        with once_per_step():
+        with once_per_step:
             return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
 
     def rotation(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

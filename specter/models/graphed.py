@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from specter.experts.grouped import weighted_sum
+from specter.experts.grouped import plan_of, weighted_sum
 from specter.models.decode import _experts_with_residual, _rms
 from specter.models.routing import Routing
 from specter.timing.dispatch import once_per_step, replay
@@ -243,7 +243,7 @@ class GraphedStep:
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         cache, tokens = self.cache, input_ids.shape[1]
-        with once_per_step():
+        with once_per_step:
             cache.reserve(cache.length + tokens)
             cache.position.fill_(cache.length)
             pieces = self._pieces(tokens, self._resident())
@@ -271,7 +271,7 @@ class GraphedStep:
             for fused, routing in zip(self.lean.fused, pieces.routing, strict=True):
                 fused.routing = routing
         cache.length += tokens
-        with once_per_step():
+        with once_per_step:
             return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
 
     def _pieces(self, tokens: int, slots: tuple[tuple[int, ...], ...] | None) -> _Pieces:
@@ -299,10 +299,9 @@ class GraphedStep:
         hidden = self.lean.inner.embed_tokens.weight
         for (runner, _, _), j in zip(runners, self.splits, strict=True):
             pairs = tokens * self.lean.fused[j].top_k
-            plan = torch.zeros(2 * pairs + runner.pool.num_slots, dtype=torch.int32, device=hidden.device)
-            plan[pairs : 2 * pairs] = pairs
-            plan[-1] = pairs
-            p.plans.append(plan)
+            none = np.zeros(0, dtype=np.int64)
+            p.plans.append(torch.from_numpy(plan_of(none, none, np.zeros(runner.pool.num_slots, dtype=np.int64),
+                                                    pairs)).to(hidden.device))
             p.pairs.append(hidden.new_zeros(pairs + 1, hidden.shape[1]))
 
     def _runners(self) -> list[tuple[Any, int, Any]]:
@@ -430,7 +429,7 @@ class GraphedStep:
         attention and router of split ``i``'s layer (or to the logits)."""
         lean = self.lean
         if i == 0:
-            with once_per_step():
+            with once_per_step:
                 p.positions = self.cache.position + p.steps
                 ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
                 hidden = lean.inner.embed_tokens(p.ids)
@@ -463,7 +462,7 @@ class GraphedStep:
                     p.routes.append(route)
                 return
             hidden = fused.mlp(layer.mlp, x, hidden)
-        with once_per_step():
+        with once_per_step:
             p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
 
     def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:

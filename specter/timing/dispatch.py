@@ -14,7 +14,7 @@ time there is its kernels' time *and* this dispatch (``docs/benchmark.md``), so 
 * ``replay()`` — ops issued inside count as one launch: a captured CUDA graph's replay. On a CPU the
   graphed steps' pieces (``models/graphed.py``) run eagerly inside it, so the counts and the as-built
   clock see what a GPU's replay of them issues.
-* ``once_per_step()`` — ops, kernels and reads issued inside are a step's own, not a layer's (the token
+* ``once_per_step`` — ops, kernels and reads issued inside are a step's own, not a layer's (the token
   embedding, the mask and rotation, the final norm and the LM head, the step's token and routing
   read): the as-built clock charges them once where a small model's layer stands for several real
   ones (``DispatchCount.step_ops``), and everything else once per real layer.
@@ -112,26 +112,24 @@ _ACTIVE: list[DispatchCount] = []
 _REPLAYING = [0]  # depth of ``replay()`` blocks
 
 
-class _Depth(threading.local):
-    """How deep this thread is in ``once_per_step()`` blocks (another thread's step is not this one's)."""
+class _OncePerStep(threading.local):
+    """``with once_per_step:`` — what is issued inside is the step's own, whatever its layers
+    (``DispatchCount.step_ops``). A plain context object (on the per-step path, cheaper than a
+    generator's); its depth is per thread (another thread's step is not this one's)."""
 
-    n = 0
+    depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
 
 
-_ONCE = _Depth()
+once_per_step = _OncePerStep()
 
 
 _DEFERRED: list[tuple[torch.Tensor, Callable[[np.ndarray], None]]] = []
-
-
-@contextmanager
-def once_per_step() -> Iterator[None]:
-    """What is issued inside is the step's own, whatever its layers (``DispatchCount.step_ops``)."""
-    _ONCE.n += 1
-    try:
-        yield
-    finally:
-        _ONCE.n -= 1
 
 
 def host_read(tensor: torch.Tensor) -> Any:
@@ -192,7 +190,7 @@ def replay(per_step: bool = False) -> Iterator[None]:
         if not _REPLAYING[0]:
             for counter in _ACTIVE:
                 counter.ops += 1
-                counter.step_ops += per_step or _ONCE.n > 0
+                counter.step_ops += per_step or once_per_step.depth > 0
                 counter.by_name["graph_replay"] = counter.by_name.get("graph_replay", 0) + 1
 
 
@@ -206,7 +204,7 @@ class DispatchCount(TorchDispatchMode):
         self.kernels = 0  # kernels the device runs (inside a replay too)
         self.syncs = 0
         self.reads = 0
-        # of those, issued inside ``once_per_step()``: the step's own, not its layers'
+        # of those, issued inside ``once_per_step``: the step's own, not its layers'
         self.step_ops = self.step_kernels = self.step_reads = 0
         self.by_name: dict[str, int] = {}
 
@@ -225,7 +223,7 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        once = _ONCE.n > 0
+        once = once_per_step.depth > 0
         if name == "_local_scalar_dense":  # item(), int(t), float(t), bool(t): a read of one value
             self.reads += 1
             self.step_reads += once
@@ -252,7 +250,7 @@ def _patch_reads() -> None:
     def counted(self: torch.Tensor, *args: Any) -> Any:
         for counter in _ACTIVE:
             counter.reads += 1
-            counter.step_reads += _ONCE.n > 0
+            counter.step_reads += once_per_step.depth > 0
         return original(self, *args)
 
     torch.Tensor.tolist = counted  # type: ignore[method-assign, assignment]

@@ -29,7 +29,8 @@ differing per repeat), with medians over ``--repeats``:
   process's copy stream writes the slots the verifier reads by CUDA IPC. One replica per shape serves
   them all (launched once, before the discarded pass); its rows add the TPOT ratio to the same policy
   in process and, for ``demand-lru`` (every copy a demand), the copy engine's busy share of the time a
-  demand copy was queued or moving.
+  demand copy was queued or moving. Each of these runs first makes ready, in the verifier and the
+  draft process, every token count its rounds can use (``ProcessEngine.prepare_steps``), as in process.
 
 Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / K per speculative
 round (and the share of rounds ``specter``'s K chooser made plain),
@@ -299,6 +300,7 @@ class Runner:
         self.eager_draft: Any = None
         self.int4_draft: Any = None
         self.processes: Any = None  # the three roles as processes (launched by the first ``-processes`` run)
+        self.processes_prepared = 0  # token counts their steps made ready (``ProcessEngine.prepare_steps``)
         self.moe_layers = 1  # the target's MoE layers (known from the first run in process)
 
     def _draft(self, eager: bool) -> Any:
@@ -393,16 +395,21 @@ class Runner:
         if self.processes is None:
             self.processes = launch_processes(self.folder / "target", self.folder / "draft", SlotConfig(fraction=budget),
                                               self.link, policy=policy, timeout_s=120, draft_mode="dequant-cache",
-                                              dtype=self.dtype)
+                                              dtype=self.dtype, step=self.step)
         engine = self.processes
         window = SPECULATIVE.get(policy.split("+")[0], 0)
+        # as in process, no capture inside the timed run; ``prepared``: what the replica made ready so far
+        self.processes_prepared += sum(engine.prepare_steps(window).values())
         engine.generate(prompt, 2, policy=policy, window=window)  # warm-up, as in process
         before = engine.link_counters()
+        draft_cold = engine.call(engine.draft, "cold_steps") if engine.draft is not None else 0
         out = engine.generate(prompt, new_tokens, policy=policy, window=window)
         after = engine.link_counters()
+        draft_cold = (engine.call(engine.draft, "cold_steps") if engine.draft is not None else 0) - draft_cold
         stats, tokens = out["stats"], out["tokens"]
         spec, plain = stats.get("rounds", 0), stats.get("plain_rounds", 0)
         row = {"tpot_ms": stats["tpot_s"] * 1e3, "tokens": tokens, "hit_rate": stats["hit_rate"],
+               "prepared": self.processes_prepared, "cold_steps": stats.get("cold_steps", 0) + draft_cold,
                "accepted": stats.get("mean_accepted", 0.0),
                "window": stats.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0,
                "plain_share": plain / (spec + plain) if spec + plain else 0.0,

@@ -205,6 +205,16 @@ class ProcessEngine:
         """``{"tokens", "stats"}`` for one prompt (``VerifierRole.generate``'s options)."""
         return self.call(self.verifier, "generate", list(prompt_ids), max_new_tokens, **options)  # type: ignore[no-any-return]
 
+    def prepare_steps(self, window: int, timeout_s: float | None = None) -> dict[str, int]:
+        """Make every step shape of windows up to ``window`` ready before a request runs one (the
+        verifier's target and the draft process's steps: ``Engine.prepare_steps`` across the processes;
+        the verifier keeps them ready across a policy change). Returns each role's count of token counts
+        made ready (0 where its steps are eager)."""
+        out = {"verifier": int(self.call(self.verifier, "prepare_steps", window, timeout=timeout_s))}
+        if self.draft is not None:
+            out["draft"] = int(self.call(self.draft, "prepare_steps", window, timeout=timeout_s))
+        return out
+
     def link_counters(self) -> dict[str, float]:
         """The transfer role's link counters."""
         return self.call(self.transfer, "counters")  # type: ignore[no-any-return]
@@ -240,7 +250,7 @@ class ProcessEngine:
 def launch_processes(
     model: str | Path, draft: str | Path | None, budget: SlotConfig, link: LinkConfig, policy: str = "specter",
     timeout_s: float = 60.0, startup_timeout_s: float = 300.0, sealed: bool = True, host_profile: str | None = None,
-    draft_mode: str = "auto", dtype: torch.dtype | None = None,
+    draft_mode: str = "auto", dtype: torch.dtype | None = None, step: str = "auto",
 ) -> ProcessEngine:
     """Start and wire the roles of one replica as plain processes (``actors/launcher.py: launch``'s
     arguments, without the cluster's).
@@ -248,7 +258,8 @@ def launch_processes(
     A ``cuda`` link puts the replica on this machine's current CUDA device: the transfer process's
     slots (shared with the verifier by CUDA IPC), copy stream and pinned store, the verifier's and the
     draft's compute. ``dtype``: the target's compute dtype (None: fp32 on a CPU, the checkpoint's on a
-    GPU).
+    GPU). ``step``: how the target's and the draft's steps run (``OffloadedTarget.load``'s: ``auto``
+    graphs them on CUDA; ``ProcessEngine.prepare_steps`` makes them ready before the first request).
 
     Raises:
         ValueError: the draft does not match the target (checked before any process starts).
@@ -259,8 +270,10 @@ def launch_processes(
         check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
     prefix = f"specter-p{os.getpid()}-{secrets.token_hex(4)}"
     transfer = RoleProcess("transfer", str(model), budget, link, prefix, timeout_s, dtype=dtype)
-    verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile, dtype=dtype)
-    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode, link=link) if draft is not None else None
+    verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile, dtype=dtype,
+                           step=step)
+    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode, link=link, step=step) if draft is not None \
+        else None
     roles = [r for r in (transfer, verifier, draft_role) if r is not None]
     engine = ProcessEngine(transfer, verifier, draft_role, prefix, policy, roles=roles)
     try:

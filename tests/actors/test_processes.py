@@ -16,7 +16,9 @@ import torch
 from process_faults import kill_transfer_after
 from transformers import AutoModelForCausalLM
 
+from specter.assets import DEFAULT_MODEL
 from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.draft.loading import load_draft
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
 from specter.remote.processes import ProcessEngine, RoleError, RoleGone, RoleProcess, launch_processes
@@ -131,3 +133,34 @@ def test_specter_generate_processes_on_the_command_line(models) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == _in_process(folder, draft, "specter", 3)
+
+
+def test_prepared_steps_through_processes_run_no_step_cold_and_stay_lossless() -> None:
+    """``step="static"`` (the pieces a GPU replays as CUDA graphs, run eagerly on a CPU): before
+    ``prepare_steps`` a request runs steps cold (a GPU captures inside it); after it, neither the
+    verifier's nor the draft process's steps run cold — across a policy change that rebuilds the
+    target, too — and the tokens are the in-process engine's with eager steps."""
+    model, awq = DEFAULT_MODEL, f"{DEFAULT_MODEL}-awq"
+    with launch_processes(model, awq, BUDGET, LINK, policy="demand-lru", timeout_s=60, draft_mode="dequant-cache",
+                          step="static") as engine:
+        first = engine.generate(PROMPT, NEW, policy="demand-lru")
+        assert first["stats"]["cold_steps"] > 0  # without it: the one-token step's first runs in the request
+        ready = engine.prepare_steps(4)
+        assert ready["verifier"] == 4 and ready["draft"] == 6  # 2..5 tokens (1 ran above); 1..6
+        assert engine.prepare_steps(4) == {"verifier": 0, "draft": 0}
+        draft_cold = engine.call(engine.draft, "cold_steps")
+        spec = engine.generate(PROMPT, NEW, policy="specter+fixed", window=4)
+        plain = engine.generate(PROMPT, NEW, policy="demand-lru")
+        assert spec["stats"]["cold_steps"] == plain["stats"]["cold_steps"] == 0
+        assert engine.call(engine.draft, "cold_steps") == draft_cold
+        assert engine.prepare_steps(6) == {"verifier": 2, "draft": 2}  # a wider window: only its new counts
+    want = {}
+    for policy, window in (("demand-lru", 0), ("specter+fixed", 4)):
+        target = OffloadedTarget.load(model, BUDGET, LINK, policy=policy, step="eager")
+        try:
+            draft = load_draft(awq, device="cpu", mode="dequant-cache", step="eager") if window else None
+            want[policy] = Engine(target, draft, window).generate_fresh(PROMPT, NEW)[0]
+        finally:
+            target.close()
+    assert first["tokens"] == plain["tokens"] == want["demand-lru"]
+    assert spec["tokens"] == want["specter+fixed"]

@@ -95,3 +95,20 @@ def test_a_killed_transfer_process_on_the_gpu_leaves_nothing(prompt) -> None:
     while torch.cuda.mem_get_info()[0] < free_before - (64 << 20):  # the driver frees a dead process's memory
         assert time.monotonic() < deadline, "the killed replica's device memory was not freed"
         time.sleep(0.5)
+
+
+def test_steps_captured_up_front_in_the_processes_stay_token_identical(fp32_processes, prompt) -> None:
+    """``prepare_steps``: the verifier's and the draft process's CUDA graphs of every count a window of
+    8 uses captured before the requests; none of their steps then runs cold, and the tokens are still
+    transformers' (the graphs captured beside the transfer process's copies into the shared slots)."""
+    reference = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).to("cuda").eval()
+    with torch.no_grad():
+        expected = greedy_continuation(reference, prompt, NEW)
+    fp32_processes.prepare_steps(8)
+    assert fp32_processes.prepare_steps(8) == {"verifier": 0, "draft": 0}  # all ready: nothing left to capture
+    draft_cold = fp32_processes.call(fp32_processes.draft, "cold_steps")
+    for policy in ("specter+fixed", "demand-lru", "specter"):
+        got = fp32_processes.generate(prompt, NEW, policy=policy, window=_window(policy))
+        assert got["tokens"][:NEW] == expected, policy
+        assert got["stats"]["cold_steps"] == 0, policy
+    assert fp32_processes.call(fp32_processes.draft, "cold_steps") == draft_cold

@@ -28,12 +28,13 @@ class DraftRole:
         mode: how a quantized draft computes its experts (``load_draft``'s; ``auto`` times the modes here).
         link: the replica's link; the draft computes where the replica does (``role_device``: the CUDA
             device for a ``cuda`` link, else the CPU).
+        step: how the draft's steps run (``load_draft``'s: ``auto`` graphs them on CUDA).
     """
 
     def __init__(self, draft_dir: str, timeout_s: float = 60.0, mode: str = "auto", metrics: Metrics | None = None,
-                 link: LinkConfig | None = None):
+                 link: LinkConfig | None = None, step: str = "auto"):
         self.metrics: Metrics = metrics or NoMetrics()
-        self.draft = load_draft(draft_dir, device=role_device(link), mode=mode)
+        self.draft = load_draft(draft_dir, device=role_device(link), mode=mode, step=step)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = timeout_s
         self.channel: Channel | None = None
@@ -69,6 +70,26 @@ class DraftRole:
             return {"received": 0, "dropped": {}, "refused": {}}
         return {"received": self.channel.received, "dropped": dict(self.channel.dropped),
                 "refused": dict(self.server.rejections)}
+
+    def prepare_steps(self, window: int) -> int:
+        """Make the draft's step shapes of windows up to ``window`` ready now (1 to window + 2 tokens: a
+        round's first step feeds what the last round committed; ``Engine.prepare_steps``), the round
+        loop paused meanwhile. Returns how many token counts were made ready (0 where steps are eager)."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window: expected a window of 0 or more draft tokens, got {window!r}")
+        graphed = getattr(self.draft, "graphed", None)
+        if graphed is None:
+            return 0
+        if self._thread is None:  # not serving yet
+            return int(graphed.prepare(range(1, window + 3)))
+        with self.serving_paused(self.timeout_s):
+            return int(graphed.prepare(range(1, window + 3)))
+
+    def cold_steps(self) -> int:
+        """The draft's steps so far that ran a token count first or captured its CUDA graphs (0 where
+        its steps are eager): a request's one-offs, which ``prepare_steps`` takes out of requests."""
+        graphed = getattr(self.draft, "graphed", None)
+        return int(graphed.cold) if graphed is not None else 0
 
     def pid(self) -> int:
         """This worker's process id (fault-injection tests)."""

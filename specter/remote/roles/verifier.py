@@ -83,7 +83,8 @@ class VerifierRole:
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0,
                  link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer",
-                 metrics: Metrics | None = None, max_batch: int = MAX_BATCH, dtype: torch.dtype | None = None):
+                 metrics: Metrics | None = None, max_batch: int = MAX_BATCH, dtype: torch.dtype | None = None,
+                 step: str = "auto"):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.schedule = schedule
@@ -92,6 +93,8 @@ class VerifierRole:
         self.link_config, self.host_profile = link or LinkConfig(), host_profile
         self.device = role_device(self.link_config)  # the slots' device: the transfer process's choice too
         self.dtype = dtype  # None: fp32 on a CPU, the checkpoint's on a GPU (``compute_dtype``)
+        self.step = step  # how the target's steps run (``OffloadedTarget.load``'s ``step``)
+        self._prepared_window = -1  # the widest window whose step shapes ``prepare_steps`` keeps ready
         self._loaded: LoadedModel | None = build_dense(model_dir, compute_dtype(self.device, dtype))
         self.target: OffloadedTarget | None = None
         self.proposer: RemoteProposer | None = None
@@ -171,6 +174,23 @@ class VerifierRole:
             self.metrics.set("specter_queue_depth", 0)
         self.metrics.request(out["stats"])
         return out
+
+    def prepare_steps(self, window: int) -> int:
+        """Make the target's step shapes of windows up to ``window`` ready now (1 to window + 1 tokens, as
+        ``Engine.prepare_steps``), and again whenever a policy change rebuilds the target, so that no
+        request pays their first runs and CUDA graph captures. Returns how many token counts were made
+        ready (0 where the steps are eager, or were ready)."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window: expected a window of 0 or more draft tokens, got {window!r}")
+        with self._engine_lock:
+            self._prepared_window = max(self._prepared_window, window)
+            return self._prepare()
+
+    def _prepare(self) -> int:
+        graphed = self.target.graphed if self.target is not None else None
+        if graphed is None or self._prepared_window < 0:
+            return 0
+        return graphed.prepare(range(1, self._prepared_window + 2))
 
     def stream(self, request_id: str, prompt_ids: list[int], max_new_tokens: int,
                **options: Any) -> Iterator[dict[str, Any]]:
@@ -376,7 +396,8 @@ class VerifierRole:
         offload.set_host(self._host(loaded))
         offload.prefill_slots()
         loaded.model.to(self.device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
-        self.target = OffloadedTarget(loaded, offload, self.device)
+        self.target = OffloadedTarget(loaded, offload, self.device, self.step)
         self.policy_name = policy
+        self._prepare()  # a rebuilt target's steps: as ready as the last one's
         log.info("verifier: policy %s, %d slots over %s, scheduled in the %s", policy, pool.num_slots,
                  self.link.describe(), "transfer process" if remote else "verifier")

@@ -1,6 +1,6 @@
 """The as-built clock's prediction for this code on the H200, eager and with CUDA graphs.
 
-    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--out DIR]
+    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--out DIR]
 
 ``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
 ``qwen2moe-h200`` profile cut to 4 layers; ``--workload`` takes another of its workloads, e.g.
@@ -9,8 +9,10 @@ the eager lean steps at the ``h200-eager`` calibration, and the static pieces a 
 graphs (``step="static"``: each piece one launch, its kernels a device floor each) at ``h200-graphs``
 (``specter/timing/dispatch.py``) — once as the H200 ran them at fa408d0 (each token count's first
 two steps eager, inside the request) and once ``prepared`` (``Engine.prepare_steps`` before the
-request, as the GPU bench now runs every setting). Prints one JSON line per setting; writes
-``as_built_steps.json``.
+request, as the GPU bench now runs every setting). ``--dtype bfloat16`` computes in bf16 as a GPU does
+(default fp32, as the CPU's engine): its steps then issue the dtype conversions a GPU's bf16 step runs
+(an RMSNorm's two, the routing weights'), which the clock charges a floor each. Prints one JSON line
+per setting; writes ``as_built_steps.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ parser.add_argument("--work", default=None, help="keep the synthetic model here 
 parser.add_argument("--workload", default="qwen-led", choices=sorted(vd.WORKLOADS),
                     help="validate_dispatch.py's workload (default qwen-led; mixtral-agree: Mixtral's shapes "
                          "with a draft that agrees, issue 34's Mixtral targets)")
+parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the compute dtype (default float32; bfloat16: the conversions a GPU's bf16 step issues)")
 args = parser.parse_args()
+dtype = getattr(torch, args.dtype)
 torch.set_num_threads(1)
 synthetic = vd._synthetic()
 work = Path(args.work or tempfile.mkdtemp(prefix="specter-as-built-"))
@@ -56,17 +61,19 @@ if not model.exists():
 profile = vd._profile(profile_name, synthetic.SHAPES[shape])
 gen = torch.Generator().manual_seed(5)
 prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(3)]
+dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in the profile's time
 out = []
 for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-graphs", False),
                               ("static", "h200-graphs", True)):
-    draft = load_draft(work / "draft", device="cpu", mode="dequant-cache", step=step)
+    draft = load_draft(work / "draft", device="cpu", mode="dequant-cache", step=step, dtype=dtype)
     for setting, (policy, budget, window) in vd.SETTINGS.items():
         tpots, acc = [], []
         for prompt in prompts:
-            costs = replace(cost_model(profile, *vd._dims(model)), launches=False)
+            costs = replace(cost_model(profile, *dims), launches=False)
             clock = VirtualClock(costs, dispatch=DISPATCH[dname])
             target = OffloadedTarget.load(model, SlotConfig(fraction=budget),
-                                          replace(costs, launches=True).link(), policy, clock=clock, step=step)
+                                          replace(costs, launches=True).link(), policy, clock=clock, step=step,
+                                          dtype=dtype)
             target.offload.set_host(None)
             try:
                 engine = Engine(target, draft if window else None, window=window)
@@ -78,7 +85,7 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
-        row = {"workload": args.workload, "step": step, "dispatch": dname, "prepared": prepared, "setting": setting,
+        row = {"workload": args.workload, "dtype": args.dtype, "step": step, "dispatch": dname, "prepared": prepared, "setting": setting,
                "tpot_ms": statistics.median(tpots),
                "accepted_per_window": acc}
         print(json.dumps(row), flush=True)

@@ -125,13 +125,14 @@ def child(args: argparse.Namespace) -> int:
 
 
 @functools.cache
-def _dims(model: Path) -> tuple[int, int, int, int]:
-    """MoE layers, top-k, one expert's bytes and weights of ``model`` (read once per model)."""
+def _dims(model: Path, dtype: Any = None) -> tuple[int, int, int, int]:
+    """MoE layers, top-k, one expert's bytes (in ``dtype``, default fp32: what the run's store holds) and
+    weights of ``model`` (read once per model)."""
     import torch
 
     from specter.models.loader import build_dense
 
-    loaded = build_dense(model, torch.float32)
+    loaded = build_dense(model, dtype or torch.float32)
     return len(loaded.moe_layers), loaded.top_k, loaded.shape.nbytes, loaded.shape.numel
 
 

@@ -46,6 +46,22 @@ def test_views_and_allocations_are_not_ops_and_every_read_is_counted():
     assert READS.count - before == 1  # host_read's own tally: the engine's per-request figure
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_dtype_change_is_a_kernel_inside_inference_mode_too(inference):
+    """Under ``torch.inference_mode`` (every engine step) a dtype change reaches the counter as
+    ``aten.to``, whose schema may alias its input; it is still a kernel where it makes a new tensor
+    (bf16 → fp32 and back: an RMSNorm's two conversions on a GPU), and nothing where it changes
+    nothing, as views and a reshape of contiguous rows are nothing."""
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    with torch.inference_mode(inference), DispatchCount() as counted:
+        wide = x.to(torch.float32)  # a kernel
+        narrow = wide.to(x.dtype)  # a kernel
+        x.to(torch.bfloat16), x.view(6, 8), x.reshape(48), x.contiguous()  # the input itself, or views of it
+        x.transpose(1, 2).contiguous()  # a copy: a kernel
+    assert counted.kernels == counted.ops == 3, counted.by_name
+    assert torch.equal(narrow, x)
+
+
 def test_implicit_syncs_are_counted():
     with DispatchCount() as counted:
         torch.arange(6).nonzero()

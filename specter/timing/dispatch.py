@@ -229,14 +229,25 @@ class DispatchCount(TorchDispatchMode):
             self.step_reads += once
         if name in _SYNCING:
             self.syncs += 1
-        if not (func.is_view or name in _FREE):
+        out = func(*args, **(kwargs or {}))
+        if not (name in _FREE or func.is_view and not _copied(args, out)):
             self.kernels += 1
             self.step_kernels += once
             if not _REPLAYING[0]:
                 self.ops += 1
                 self.step_ops += once
                 self.by_name[name] = self.by_name.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _copied(args: Any, out: Any) -> bool:
+    """Whether an op whose schema may alias its input (``is_view``) made a new tensor instead: under
+    ``torch.inference_mode`` a dtype or device change arrives as ``aten.to`` itself (annotated as
+    aliasing: it returns its input where nothing changes), not as the ``_to_copy`` it runs — a kernel."""
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if source is None or not isinstance(out, torch.Tensor) or not out.numel():
+        return False
+    return bool(out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr())
 
 
 _ORIGINAL: list[Any] = []  # Tensor.tolist while a counter patches it

@@ -17,9 +17,11 @@ def markdown(results: dict[str, Any]) -> str:
     kernels = results.get("kernels", {})
     if kernels.get("status") == "ok":
         lines += [f"Kernels in a CUDA graph (bf16, one row of {kernels['hidden']}): a small kernel "
-                  f"{kernels['add_us']} µs (the as-built clock charges 5.5); an RMSNorm as `F.rms_norm` "
-                  f"{kernels['rms_norm_fused_us']} µs (fused kernel: {kernels['fused_rms_norm_cuda']}), as the engine's "
-                  f"{kernels['rms_norm_engine_us']} µs; max difference {kernels['rms_norm_max_diff']:.3g}.", ""]
+                  f"{kernels['add_us']} µs (the as-built clock charges 5.5); an RMSNorm as transformers' module "
+                  f"{kernels['rms_norm_module_us']} µs, as the engine's {kernels['rms_norm_engine_us']} µs (outputs "
+                  f"differing from the module's: {kernels['rms_norm_engine_differs']:.2%}), in one `F.rms_norm` "
+                  f"{kernels['rms_norm_fused_us']} µs ({kernels['rms_norm_fused_differs']:.2%}; fused kernel: "
+                  f"{kernels['fused_rms_norm_cuda']}).", ""]
     elif kernels:
         lines += [f"Kernels in a CUDA graph: {kernels['status']}.", ""]
     for shape, block in results["shapes"].items():

@@ -232,10 +232,15 @@ class LeanStep:
 
 
 def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with a given weight (a module's, or qwen3's q and k head norms stacked: a row per head)."""
+    """RMSNorm with a given weight (a module's, or qwen3's q and k head norms stacked: a row per head).
+
+    transformers' arithmetic — ``x / rms(x)`` in fp32, rounded to the model's dtype, times the weight
+    in it — with the fp32 part in one op (``F.rms_norm`` without a weight: on a GPU one fused kernel
+    where the module's ``pow``, ``mean``, ``add``, ``rsqrt`` and ``mul`` are five; on a CPU those same
+    ops, bit for bit). The weight stays outside it: inside, the fused kernel would multiply before
+    rounding, where transformers rounds first (a bf16 model's norms would round once, not twice)."""
     dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps)
     return weight * x.to(dtype)
 
 

@@ -20,6 +20,6 @@ class DraftActor(DraftRole):
     """``DraftRole`` with its figures in Ray's metrics (tagged ``replica``, ``actor=draft``)."""
 
     def __init__(self, draft_dir: str, timeout_s: float = 60.0, replica: str = "", mode: str = "auto",
-                 link: LinkConfig | None = None):
+                 link: LinkConfig | None = None, step: str = "auto"):
         setup_process()
-        super().__init__(draft_dir, timeout_s, mode, Recorder(replica, "draft"), link)
+        super().__init__(draft_dir, timeout_s, mode, Recorder(replica, "draft"), link, step)

@@ -57,6 +57,15 @@ class EngineHandle:
         """``{"tokens", "stats"}`` for one prompt (``VerifierActor.generate``'s options)."""
         return ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
 
+    def prepare_steps(self, window: int) -> dict[str, int]:
+        """Every step shape of windows up to ``window`` made ready before a request runs one, in the
+        verifier and the draft actor (``ProcessEngine.prepare_steps``'s, through Ray): each one's count
+        of token counts made ready (0 where its steps are eager)."""
+        out = {"verifier": int(ray.get(self.verifier.prepare_steps.remote(window)))}
+        if self.draft is not None:
+            out["draft"] = int(ray.get(self.draft.prepare_steps.remote(window)))
+        return out
+
     def link_counters(self) -> dict[str, float]:
         """The transfer actor's link counters (control plane)."""
         return ray.get(self.transfer.counters.remote())
@@ -96,6 +105,7 @@ def launch(
     draft_mode: str = "auto",
     max_batch: int = MAX_BATCH,
     dtype: torch.dtype | None = None,
+    step: str = "auto",
 ) -> EngineHandle:
     """Start the actors of one replica and wire them (Ray must be initialized).
 
@@ -115,6 +125,8 @@ def launch(
             and loading, slow on a busy machine; separate from the peer timeouts).
         max_batch: streams the verifier decodes together (``specter/batching.py``).
         dtype: the target's compute dtype (None: fp32 on a CPU, the checkpoint's on a GPU).
+        step: how the verifier's and the draft's steps run (``OffloadedTarget.load``'s: ``auto`` graphs
+            them on CUDA; ``EngineHandle.prepare_steps`` makes them ready before a request).
         draft_mode: how the draft actor computes its experts (``load_draft``'s ``mode``; ``auto`` times
             the modes on its node).
         host_profile: the profile whose host computes late experts (``simulated_host``; None: the
@@ -145,11 +157,12 @@ def launch(
         str(model), budget, link, prefix, timeout_s, replica, dtype=dtype
     )
     verifier = VerifierActor.options(**where("verifier")).remote(  # type: ignore[attr-defined]
-        str(model), budget, policy, timeout_s, replica, link, host_profile, "transfer", max_batch, dtype
+        str(model), budget, policy, timeout_s, replica, link, host_profile, "transfer", max_batch, dtype, step
     )
     draft_actor = None
     if draft is not None:
-        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica, draft_mode, link)  # type: ignore[attr-defined]
+        draft_actor = DraftActor.options(**where("draft")).remote(str(draft), timeout_s, replica, draft_mode, link,  # type: ignore[attr-defined]
+                                                                  step)
     handle = EngineHandle(replica, pg, transfer, verifier, draft_actor, prefix, "", policy,
                           [f"specter-{replica}-{r}" for r in roles])
     try:

@@ -33,10 +33,10 @@ class VerifierActor(VerifierRole):
 
     def __init__(self, model_dir: str, budget: SlotConfig, policy: str, timeout_s: float = 60.0, replica: str = "",
                  link: LinkConfig | None = None, host_profile: str | None = None, schedule: str = "transfer",
-                 max_batch: int = MAX_BATCH, dtype: torch.dtype | None = None):
+                 max_batch: int = MAX_BATCH, dtype: torch.dtype | None = None, step: str = "auto"):
         setup_process()
         super().__init__(model_dir, budget, policy, timeout_s, link, host_profile, schedule,
-                         Recorder(replica, "verifier"), max_batch, dtype)
+                         Recorder(replica, "verifier"), max_batch, dtype, step)
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:  # type: ignore[override]

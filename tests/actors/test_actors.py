@@ -209,3 +209,29 @@ def test_cli_generate_through_actors_equals_in_process(local_ray, models, capsys
     remote = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert remote["tokens"] == local["tokens"] == _reference(folder)
     assert remote["stats"]["rounds"] == local["stats"]["rounds"] > 0
+
+
+def test_prepared_steps_through_the_actors_run_no_step_cold(local_ray) -> None:
+    """``EngineHandle.prepare_steps``: as through the plain processes (``test_processes.py``), the
+    verifier's and the draft actor's static steps of a window made ready before the request, which
+    then runs none of them cold and commits the eager in-process engine's tokens."""
+    from specter.assets import DEFAULT_MODEL
+    from specter.draft.loading import load_draft
+
+    awq = f"{DEFAULT_MODEL}-awq"
+    handle = launch(DEFAULT_MODEL, awq, BUDGET, LINK, policy="specter+fixed", timeout_s=60,
+                    draft_mode="dequant-cache", step="static")
+    try:
+        assert handle.prepare_steps(4) == {"verifier": 5, "draft": 6}
+        draft_cold = ray.get(handle.draft.cold_steps.remote())
+        got = handle.generate(PROMPT, NEW, policy="specter+fixed", window=4)
+        assert got["stats"]["cold_steps"] == 0
+        assert ray.get(handle.draft.cold_steps.remote()) == draft_cold
+    finally:
+        handle.shutdown()
+    target = OffloadedTarget.load(DEFAULT_MODEL, BUDGET, LINK, policy="specter+fixed", step="eager")
+    try:
+        draft = load_draft(awq, device="cpu", mode="dequant-cache", step="eager")
+        assert got["tokens"] == Engine(target, draft, 4).generate_fresh(PROMPT, NEW)[0]
+    finally:
+        target.close()

@@ -7,7 +7,14 @@ import torch
 from transformers import Qwen2MoeConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
-from specter.experts.grouped import LayerRoutes, PairOutputs, grouped_linear, planned_pairs, weighted_sum
+from specter.experts.grouped import (
+    LayerRoutes,
+    PairOutputs,
+    grouped_linear,
+    planned_pairs,
+    resident_experts,
+    weighted_sum,
+)
 from specter.experts.store import ExpertShape
 from specter.timing.dispatch import DispatchCount
 
@@ -128,6 +135,30 @@ def test_a_resident_layer_is_a_few_ops_and_one_read():
         counts[top_k] = (counted.ops, counted.reads)
     assert counts[2] == counts[8]
     assert counts[2][1] == 1 and counts[2][0] <= 9, counts
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_resident_experts_equal_the_eager_loop_and_one_token_gathers_no_rows(tokens):
+    """``resident_experts`` (a draft's stacked experts, or a target layer all in slots through its
+    device-side slot map) is transformers' eager loop's output; a one-token step (every decode step,
+    every draft step) takes its pairs' rows as copies of the token's, without the division and the
+    gather a pass of several tokens needs."""
+    experts, top_k = 12, 3
+    module = _experts(experts, 16, 12, seed=tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 16, generator=generator)
+    weights, index = torch.rand(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    residual = torch.randn(tokens, 16, generator=generator)
+    with torch.no_grad():
+        expected = residual + module(hidden, index, weights)
+    slot_ids = torch.randperm(experts + 4, generator=generator).tolist()[:experts]
+    storage, shape = _pool(module, dict(enumerate(slot_ids)), experts + 4)
+    gate_up, down = shape.split_rows(storage)
+    with torch.inference_mode(), DispatchCount() as counted:
+        got = resident_experts(hidden, index, weights, gate_up, down, module.act_fn, residual,
+                               slot_map=torch.tensor(slot_ids))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert ("div" in counted.by_name) == (tokens > 1), counted.by_name
 
 
 def test_grouped_linear_fallback_equals_the_grouped_kernel():

@@ -156,7 +156,10 @@ def resident_experts(
     ids = top_k_index.reshape(-1) if slot_map is None else slot_map[top_k_index.reshape(-1)]
     sorted_ids, order = torch.sort(ids, stable=True)
     ends = torch.searchsorted(sorted_ids, _EXPERT_IDS[key], right=True, out_int32=True)
-    x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    if tokens == 1:  # every pair's row is the one token's, whatever the order: one copy, no division
+        x = hidden.expand(k, -1).contiguous()
+    else:
+        x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
     gate, up = grouped_linear(x, gate_up, ends).chunk(2, dim=-1)
     y = grouped_linear(act_fn(gate) * up, down, ends)
     pairs = hidden.new_empty(tokens * k, hidden.shape[-1]).index_put_((order,), y)

@@ -410,15 +410,17 @@ class Runner:
         # as in process, no capture inside the timed run; ``prepared``: what the replica made ready so far
         self.processes_prepared += sum(engine.prepare_steps(window).values())
         engine.generate(prompt, 2, policy=policy, window=window)  # warm-up, as in process
-        before = engine.link_counters()
-        draft_cold = engine.call(engine.draft, "cold_steps") if engine.draft is not None else 0
+
+        def draft_cold() -> int:  # the draft process's cold steps so far (its own count: not in the stats)
+            return int(engine.call(engine.draft, "cold_steps")) if engine.draft is not None else 0
+
+        before, cold = engine.link_counters(), draft_cold()
         out = engine.generate(prompt, new_tokens, policy=policy, window=window)
-        after = engine.link_counters()
-        draft_cold = (engine.call(engine.draft, "cold_steps") if engine.draft is not None else 0) - draft_cold
+        after, cold = engine.link_counters(), draft_cold() - cold
         stats, tokens = out["stats"], out["tokens"]
         spec, plain = stats.get("rounds", 0), stats.get("plain_rounds", 0)
         row = {"tpot_ms": stats["tpot_s"] * 1e3, "tokens": tokens, "hit_rate": stats["hit_rate"],
-               "prepared": self.processes_prepared, "cold_steps": stats.get("cold_steps", 0) + draft_cold,
+               "prepared": self.processes_prepared, "cold_steps": stats.get("cold_steps", 0) + cold,
                "accepted": stats.get("mean_accepted", 0.0),
                "window": stats.get("mean_window", 0.0) * (spec + plain) / spec if spec else 0.0,
                "plain_share": plain / (spec + plain) if spec + plain else 0.0,

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from specter.bound import Trace
 from specter.config import SamplingConfig
 from specter.draft.loading import check_draft_matches
-from specter.models.graphed import StaticKV
+from specter.models.graphed import StaticKV, window_counts
 from specter.models.routing import Routing
 from specter.proposer import Draft, IdleProposer, LocalProposer, PipelinedProposer, Proposer
 from specter.protocol import PlanDelta
@@ -102,10 +102,10 @@ class Engine:
         captures (``GraphedStep.prepare``; on a GPU some milliseconds each). Where steps are eager
         there is nothing to do. Returns how many token counts were made ready."""
         ready = 0
-        for model, most in ((self.target, self.window + 1), (self.draft, self.window + 2)):
+        for model, draft in ((self.target, False), (self.draft, True)):
             graphed = getattr(model, "graphed", None)
             if graphed is not None:
-                ready += graphed.prepare(range(1, most + 1))
+                ready += graphed.prepare(window_counts(self.window, draft))
         return ready
 
     def generate(

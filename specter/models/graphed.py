@@ -55,6 +55,15 @@ STEP_MODES = ("auto", "graph", "static", "eager")  # how a model's steps after t
 CAPTURE_AFTER = 2  # a token count's pieces are captured on its second step (a count seen once runs eagerly)
 
 
+def window_counts(window: int, draft: bool = False) -> range:
+    """The token counts the steps of rounds with windows up to ``window`` run: the target's 1 to
+    window + 1 (a plain step, a verify pass of K + 1), a draft's 1 to window + 2 (a round's first step
+    feeds what the last round committed): what ``GraphedStep.prepare`` makes ready before a request."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window: expected a window of 0 or more draft tokens, got {window!r}")
+    return range(1, window + (3 if draft else 2))
+
+
 def resolve_step(step: str, device: torch.device, unsupported: str | None) -> str:
     """The mode a model's steps after the prompt run in: ``auto`` is ``graph`` on CUDA where the model
     can take it (``unsupported`` None; else it says what is missing) and ``eager`` otherwise; a mode

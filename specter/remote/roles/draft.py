@@ -6,11 +6,12 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from specter.config import LinkConfig
 from specter.draft.loading import load_draft
+from specter.models.graphed import window_counts
 from specter.remote.channel import Channel
 from specter.remote.draft_server import DraftServer
 from specter.remote.roles.base import Metrics, NoMetrics, role_device
@@ -75,15 +76,12 @@ class DraftRole:
         """Make the draft's step shapes of windows up to ``window`` ready now (1 to window + 2 tokens: a
         round's first step feeds what the last round committed; ``Engine.prepare_steps``), the round
         loop paused meanwhile. Returns how many token counts were made ready (0 where steps are eager)."""
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ValueError(f"window: expected a window of 0 or more draft tokens, got {window!r}")
+        counts = window_counts(window, draft=True)
         graphed = getattr(self.draft, "graphed", None)
         if graphed is None:
             return 0
-        if self._thread is None:  # not serving yet
-            return int(graphed.prepare(range(1, window + 3)))
-        with self.serving_paused(self.timeout_s):
-            return int(graphed.prepare(range(1, window + 3)))
+        with self.serving_paused(self.timeout_s) if self._thread is not None else nullcontext():
+            return int(graphed.prepare(counts))
 
     def cold_steps(self) -> int:
         """The draft's steps so far that ran a token count first or captured its CUDA graphs (0 where

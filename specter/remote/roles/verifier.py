@@ -35,6 +35,7 @@ from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
+from specter.models.graphed import window_counts
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import drafts, make_policy
 from specter.plan.window import WindowChooser
@@ -180,8 +181,7 @@ class VerifierRole:
         ``Engine.prepare_steps``), and again whenever a policy change rebuilds the target, so that no
         request pays their first runs and CUDA graph captures. Returns how many token counts were made
         ready (0 where the steps are eager, or were ready)."""
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ValueError(f"window: expected a window of 0 or more draft tokens, got {window!r}")
+        window_counts(window)  # a bad window is refused before anything is kept
         with self._engine_lock:
             self._prepared_window = max(self._prepared_window, window)
             return self._prepare()
@@ -190,7 +190,7 @@ class VerifierRole:
         graphed = self.target.graphed if self.target is not None else None
         if graphed is None or self._prepared_window < 0:
             return 0
-        return graphed.prepare(range(1, self._prepared_window + 2))
+        return graphed.prepare(window_counts(self._prepared_window))
 
     def stream(self, request_id: str, prompt_ids: list[int], max_new_tokens: int,
                **options: Any) -> Iterator[dict[str, Any]]:

@@ -239,6 +239,7 @@ class Batcher:
         self.policy.round_drafts = sum(ks) + max(0, extra)
         if self.drafter is not None:
             self.drafter.begin_round(self.steps)
+        self.target.offload.settle_landed()
         self.policy.begin_round(self.steps)
         try:
             rows = self._rows(batch, ks)

@@ -300,6 +300,7 @@ class Engine:
         def back(values: Any) -> None:  # a token read with the step's reads (``defer_read``)
             read.append(int(values.item()))
 
+        self.target.offload.settle_landed()
         self.policy.begin_round(step)
         t0 = self.clock.now()
         self.policy.begin_verify(step, 1)
@@ -336,6 +337,7 @@ class Engine:
         """One round: the tokens it commits (accepted drafts + the target's next token) and, when
         pipelined, the next round's K (drafted ahead, None when not chosen) and whether that
         round stands. ``standing``: this round's draft was drafted ahead."""
+        self.target.offload.settle_landed()
         self.policy.begin_round(round_id)
         ahead = 0
         if ahead_limit > 0:  # after begin_round: the policy reads this round's K from the chooser

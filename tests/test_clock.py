@@ -223,3 +223,69 @@ def test_a_virtual_clock_needs_a_cost_model_and_a_simulated_link(tiny_dir):
     with pytest.raises(ValueError, match="virtual clock runs a simulated link"):
         OffloadedTarget.load(tiny_dir("mixtral"), SlotConfig(fraction=0.5), LinkConfig(kind="cuda"), clock=VirtualClock(None),
                              device="cpu")
+
+
+@pytest.mark.parametrize("policy", ["demand-lru", "specter"])
+def test_a_prefetch_that_landed_unread_gives_its_slot_up_when_the_next_round_starts(tiny_dir, policy):
+    """A prefetched expert no pass waited for stays loading (not a victim) while its round runs, and is
+    resident once the next round starts: the least recently used of a full group then, the next demand
+    fetches evict it first. (It stayed loading until someone waited for it, and a loading slot is never
+    a victim: the budget lost a slot for every such prefetch for good — plain steps after drafting then
+    missed every expert at Mixtral's shapes.)"""
+    timing = resolve_timing(str(tiny_dir("mixtral")), "virtual", "qwen2moe-pcie4", rho=3.0, step_s=0.004)
+    target = OffloadedTarget.load(tiny_dir("mixtral"), SlotConfig(fraction=0.25), timing.link, policy=policy,
+                                  clock=timing.make_clock())
+    try:
+        offload, pool = target.offload, target.offload.pool
+        layer = offload.store.layers[0]
+        group = [k for k in pool.resident() if pool.group_of(k[0]) == pool.group_of(layer)]
+        outside = [(lay, e) for lay in offload.store.layers for e in range(offload.store.num_experts)
+                   if pool.group_of(lay) == pool.group_of(layer) and not pool.holds((lay, e))]
+        assert len(outside) > len(group), "the test needs more experts outside the group's slots than slots"
+        prefetched, *demanded = outside[: len(group) + 1]
+        assert offload.fetch(prefetched, PREFETCH, set()) is not None
+        offload.clock.advance(10.0)  # it lands; nobody waits for it
+        offload.settle_landed()  # as the engine does when the next round starts
+        assert pool.is_ready(prefetched) and not pool.loading_keys()
+        for key in demanded:  # as many as the group has slots, each waited for (a plain step's misses)
+            assert offload.fetch(key, DEMAND, set()) is not None
+            offload.wait(key)
+        assert all(pool.is_ready(key) for key in demanded)  # the slots hold what the steps asked for
+        assert not pool.holds(prefetched)
+    finally:
+        target.close()
+
+
+def test_every_round_starts_with_no_landed_prefetch_still_loading(tiny_dir, tmp_path):
+    """Through the engine, end to end: when the policy hears of a round, no transfer that landed unread
+    is still counted as loading, and some rounds did find such prefetches to settle (the case above
+    happens in a real run: a drafting round's prefetches the verify pass did not use)."""
+    timing = resolve_timing(str(tiny_dir("mixtral")), "virtual", "qwen2moe-pcie4", rho=3.0, step_s=0.004)
+    target = OffloadedTarget.load(tiny_dir("mixtral"), SlotConfig(fraction=0.25), timing.link, policy="specter",
+                                  clock=timing.make_clock())
+    target.offload.set_host(timing.host)
+    offload, policy = target.offload, target.offload.policy
+
+    def landed_unread() -> list:
+        now = offload.clock.now()
+        return [k for k in offload.pool.loading_keys() if not offload.pool.is_pinned(k) and offload._landed(k, now)]
+
+    found, at_rounds = [], []
+    settle, begin = offload.settle_landed, policy.begin_round
+
+    def settle_counting() -> None:
+        found.append(len(landed_unread()))
+        settle()
+
+    def begin_looking(round_id: int) -> None:
+        at_rounds.append(landed_unread())
+        begin(round_id)
+
+    offload.settle_landed, policy.begin_round = settle_counting, begin_looking  # type: ignore[method-assign]
+    draft = ResidentDraft(noisy_copy(tiny_dir("mixtral"), tmp_path / "draft"))
+    try:
+        Engine(target, draft, 4, untimed_prefill=True).generate_fresh(PROMPT, 24)
+    finally:
+        target.close()
+    assert len(at_rounds) > 3 and not any(at_rounds)
+    assert sum(found) > 0, "no round found a landed, unread prefetch: the run does not exercise the case"

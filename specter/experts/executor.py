@@ -357,17 +357,31 @@ class OffloadedExperts:
         now = self.clock.now()
         return self.link.free_at(now) <= now
 
+    def _landed(self, key: Key, now: float) -> bool:
+        """Whether ``key``'s transfer has landed by ``now`` (a virtual link is played to it)."""
+        transfer = self.pool.transfer_of(key)
+        return transfer is not None and self.link.landing(transfer, now) is not None and transfer.done.is_set()
+
     def _take_landed(self, pending: deque[Key]) -> list[Key]:
         """Take out of ``pending`` the experts whose transfers have landed by now."""
         now = self.clock.now()
-        landed = []
-        for key in list(pending):
-            transfer = self.pool.transfer_of(key)
-            if transfer is not None and self.link.landing(transfer, now) is not None and transfer.done.is_set():
-                pending.remove(key)
-                self.wait(key)
-                landed.append(key)
+        landed = [key for key in pending if self._landed(key, now)]
+        for key in landed:
+            pending.remove(key)
+            self.wait(key)
         return landed
+
+    def settle_landed(self) -> None:
+        """A round starts: prefetches that landed and that no pass waited for are resident now, their
+        slots evictable again in the policy's order. (A transfer counts as loading until a pass waits
+        for it, and a loading slot is never a victim: within a round that keeps a landed prefetch for
+        the layer ahead; across rounds it kept every prefetch the verify pass did not use for good —
+        the budget lost a slot for each, and plain steps after drafting missed every expert at
+        Mixtral's shapes.)"""
+        now = self.clock.now()
+        for key in self.pool.loading_keys():
+            if not self.pool.is_pinned(key) and self._landed(key, now):
+                self.wait(key)
 
     def _land_one(self, layer: int, waiting: Key) -> None:
         """Wait for the oldest transfer into ``layer``'s slot group, so its slot becomes evictable."""

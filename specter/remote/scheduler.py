@@ -193,7 +193,7 @@ class TransferExperts:
             self.plans_dropped += 1
 
     def begin_round(self, msg: RoundStart) -> None:
-        self._reap()
+        self._reap(every=True)
         self.wire, self.offset = msg.wire, msg.wire - msg.round
         self.policy.window = msg.k
         self.policy.round_drafts = msg.drafts or None  # a batched round: every drafting request's deltas
@@ -240,10 +240,13 @@ class TransferExperts:
         self.policy.before_layer(layer, None, needed)  # type: ignore[arg-type]  # no policy here reads it
         self.retry()  # the policy may have dropped prefetches a blocked demand can use
 
-    def _reap(self) -> None:
-        """Experts the verifier read or waited for, once landed, are resident (evictable again)."""
+    def _reap(self, every: bool = False) -> None:
+        """Experts the verifier read or waited for, once landed, are resident (evictable again unless
+        the verifier reads them: ``SharedPool.in_use``); ``every``: as a round starts, every landed one
+        — a prefetch the verify pass did not use kept its slot for good otherwise (in process:
+        ``OffloadedExperts.settle_landed``)."""
         pool = self.pool
-        for key in self.awaited:
+        for key in pool.loading_keys() if every else self.awaited:
             transfer = pool.transfer_of(key)
             if transfer is not None and transfer.done.is_set():
                 pool.finish_loading(key)

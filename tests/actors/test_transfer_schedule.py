@@ -305,20 +305,33 @@ def test_the_schedule_holds_plans_a_few_rounds_ahead_and_drops_passed_ones(repli
         unlink_prefix(prefix)
 
 
+@contextmanager
+def _lone_schedule(store, name: str) -> Iterator[TransferExperts]:  # type: ignore[no-untyped-def]
+    """A transfer schedule (demand-lru) over 4 shared slots, no server around it."""
+    prefix = new_prefix(name)
+    slots = SharedSlots.create(prefix, 4, store.shape.numel, store.shape.dtype)
+    counters = SharedCounters(prefix, create=True)
+    index = SharedIndex(prefix, max(store.layers) + 1, store.num_experts, create=True)
+    link = SlotWriterLink(slots, counters, LINK.bandwidth, LINK.latency)
+    try:
+        yield TransferExperts(store, slots, index, link, {-1: 4}, make_policy("demand-lru"), None)
+    finally:
+        link.close()
+        index.close()
+        slots.close()
+        slots.unlink()
+        counters.close()
+        unlink_prefix(prefix)
+
+
 def test_a_prefetch_the_verifier_read_is_resident_again_for_the_schedule(replica) -> None:
     # In process the executor's wait on an expert in flight makes it resident (evictable once the
     # layer is done); here the verifier reads a landed prefetch from its slot and says so in
     # LayerNeeds.ready, or waits for it: either way the transfer actor must stop treating its slot
     # as loading, or every prefetch used keeps a slot out of the schedule's reach for good.
     store = replica.store
-    prefix = new_prefix("spt-reap")
-    slots = SharedSlots.create(prefix, 4, store.shape.numel, store.shape.dtype)
-    counters = SharedCounters(prefix, create=True)
-    index = SharedIndex(prefix, max(store.layers) + 1, store.num_experts, create=True)
-    link = SlotWriterLink(slots, counters, LINK.bandwidth, LINK.latency)
     first, second = store.layers[0], store.layers[1]
-    try:
-        schedule = TransferExperts(store, slots, index, link, {-1: 4}, make_policy("demand-lru"), None)
+    with _lone_schedule(store, "spt-reap") as schedule:
         schedule.begin_round(RoundStart(0, 0, 4))
         read, waited = (first, 1), (first, 2)
         for key in (read, waited):
@@ -332,13 +345,25 @@ def test_a_prefetch_the_verifier_read_is_resident_again_for_the_schedule(replica
         assert read not in pool.evictable(first)  # the pass is at its layer and not done with it
         schedule.layer(LayerNeeds(second, 1, []))
         assert {read, waited} <= set(pool.evictable(first))
-    finally:
-        link.close()
-        index.close()
-        slots.close()
-        slots.unlink()
-        counters.close()
-        unlink_prefix(prefix)
+
+
+def test_a_prefetch_the_verifier_never_used_is_resident_again_when_the_next_round_starts(replica) -> None:
+    # A landed prefetch no pass read or waited for stays loading through its round (a later visit may
+    # read it), and is resident once the next round starts: before that, it kept its slot for good.
+    store = replica.store
+    first, second = store.layers[0], store.layers[1]
+    with _lone_schedule(store, "spt-unused") as schedule:
+        schedule.begin_round(RoundStart(0, 0, 4))
+        unused = (first, 3)
+        transfer = schedule.fetch(unused, 1, set())
+        assert transfer is not None
+        transfer.wait(10.0)
+        schedule.layer(LayerNeeds(first, 0, []))  # the pass goes by its layer without it
+        schedule.layer(LayerNeeds(second, 1, []))
+        pool = schedule.pool
+        assert pool.is_loading(unused) and unused not in pool.evictable(first)
+        schedule.begin_round(RoundStart(1, 1, 4))
+        assert not pool.is_loading(unused) and unused in pool.evictable(first)
 
 
 def test_pipelined_through_the_transfer_schedule_is_exact_and_sampling_matches_in_process(replica, models) -> None:

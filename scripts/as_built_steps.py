@@ -9,7 +9,9 @@ the eager lean steps at the ``h200-eager`` calibration, and the static pieces a 
 graphs (``step="static"``: each piece one launch, its kernels a device floor each) at ``h200-graphs``
 (``specter/timing/dispatch.py``) — once as the H200 ran them at fa408d0 (each token count's first
 two steps eager, inside the request) and once ``prepared`` (``Engine.prepare_steps`` before the
-request, as the GPU bench now runs every setting). ``--dtype bfloat16`` computes in bf16 as a GPU does
+request, as the GPU bench now runs every setting). Every setting starts each prompt from a fresh
+engine, as the H200's runs did; ``specter-kept`` is ``specter`` with one K chooser through the three
+prompts, as a running engine (and ``specter bench``) keeps what it learnt. ``--dtype bfloat16`` computes in bf16 as a GPU does
 (default fp32, as the CPU's engine): its steps then issue the dtype conversions a GPU's bf16 step runs
 (an RMSNorm's two, the routing weights'), which the clock charges a floor each. Prints one JSON line
 per setting; writes ``as_built_steps.json``.
@@ -66,8 +68,9 @@ out = []
 for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-graphs", False),
                               ("static", "h200-graphs", True)):
     draft = load_draft(work / "draft", device="cpu", mode="dequant-cache", step=step, dtype=dtype)
-    for setting, (policy, budget, window) in vd.SETTINGS.items():
+    for setting, (policy, budget, window) in [*vd.SETTINGS.items(), ("specter-kept", vd.SETTINGS["specter"])]:
         tpots, acc = [], []
+        kept = None  # specter-kept: one K chooser through the prompts, as a running engine keeps it
         for prompt in prompts:
             costs = replace(cost_model(profile, *dims), launches=False)
             clock = VirtualClock(costs, dispatch=DISPATCH[dname])
@@ -77,6 +80,9 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
             target.offload.set_host(None)
             try:
                 engine = Engine(target, draft if window else None, window=window)
+                if setting == "specter-kept" and kept is not None:
+                    engine.policy.use_window_chooser(kept)
+                kept = engine.policy.window_chooser()
                 if prepared:  # outside the clock's counting: what a request pays is what it runs
                     engine.prepare_steps()
                 with clock.counting():

@@ -37,7 +37,9 @@ round (and the share of rounds ``specter``'s K chooser made plain),
 hit rate, link busy share, host reads per MoE layer per token; under the table, per speculative row,
 its rounds by K, the rounds drafted ahead that stood and what ``specter``'s K chooser had learnt (α,
 the draft's seconds per forward and per round, the K it estimated best, the rounds it did not learn
-from for a one-off in them). Each in-process run first captures every token count its rounds can use
+from for a one-off in them). A setting's K chooser is kept through its runs (the discarded pass's
+included), as a running engine keeps it and as the processes' verifier does: each in-process run
+loads a fresh target (a fresh slot pool), not a fresh chooser. Each in-process run first captures every token count its rounds can use
 (``Engine.prepare_steps``: ``prepared`` in its raw record, beside ``cold_steps``, the timed run's steps
 that still ran a count first or captured: 0 when that worked). ``--smoke --static`` runs the steps as
 the static pieces a GPU graphs, eagerly (the CPU test of that path). Per shape also the draft's one-token
@@ -311,6 +313,7 @@ class Runner:
         self.processes: Any = None  # the three roles as processes (launched by the first ``-processes`` run)
         self.processes_prepared = 0  # token counts their steps made ready (``ProcessEngine.prepare_steps``)
         self.moe_layers = 1  # the target's MoE layers (known from the first run in process)
+        self.choosers: dict[tuple[str, float], Any] = {}  # each setting's K chooser, kept through its runs
 
     def _draft(self, eager: bool) -> Any:
         """The draft (its steps graphed where the device allows), or its eager twin for ``-eager`` rows."""
@@ -346,6 +349,7 @@ class Runner:
         return self.int4_draft
 
     def run(self, policy: str, budget: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+        setting = (policy, budget)
         if policy == "transformers":
             return self._transformers(prompt, new_tokens)
         if policy.endswith("-processes"):
@@ -370,6 +374,9 @@ class Runner:
                 target.graphed.runs_whole, target.graphed.slot_graphs = not cut, not ops
             window = SPECULATIVE.get(policy.split("+")[0], 0)
             engine = Engine(target, (self._int4() if int4 else self._draft(eager)) if window else None, window=window)
+            if setting in self.choosers:  # what its earlier runs measured stays learnt, as in a running engine
+                engine.policy.use_window_chooser(self.choosers[setting])
+            self.choosers[setting] = engine.policy.window_chooser()
             prepared = engine.prepare_steps()  # every token count a round can use captured now, not in the timed run
             engine.generate_fresh(prompt, 2)  # warm-up: kernels chosen, caches allocated
             cold = engine.cold_steps()

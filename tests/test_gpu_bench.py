@@ -50,6 +50,9 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
                 assert hist == block["runs"][name][-1]["window_hist"] and any(int(k) > 0 for k in hist)
         adaptive = block["summary"]["specter@0.25"]  # what the K chooser had learnt: why it chose its K
         assert set(adaptive["chooser"]) >= {"alpha", "draft_s", "round_s", "per_token_s", "samples"}
+        # one K chooser through the setting's runs, as a running engine keeps it: the discarded pass's
+        # two requests (warm-up and timed) and this run's two
+        assert adaptive["chooser"]["requests"] == 2 + 2 * len(block["runs"]["specter@0.25"])
         assert "ahead" in adaptive and "chooser" not in block["summary"]["specter-paper@0.25"]
         assert "* specter@0.25: rounds by K" in markdown
         assert f"## {shape}" in markdown

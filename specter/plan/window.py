@@ -111,6 +111,7 @@ class WindowChooser:
     last: int | None = None  # the K chosen for the latest round
     arm: int | None = None  # that choice: its K, or PLAIN_CACHED
     cold: int = 0  # rounds that paid a one-off (``record``'s ``cold``), measured nothing
+    requests: int = 0  # requests begun (what it learnt is kept across them)
 
     @property
     def alpha(self) -> float:
@@ -164,13 +165,14 @@ class WindowChooser:
     def summary(self) -> dict[str, Any]:
         """What it has learnt, for a run's record (why it chose the K it did): α, the draft's seconds
         per forward (d) and per round (c), the verify level, each K's estimated seconds per committed
-        token (plain arms and candidates, once a pass was measured), its settled samples and the rounds
-        that measured nothing for a one-off they paid (``cold``)."""
+        token (plain arms and candidates, once a pass was measured), its settled samples, the rounds
+        that measured nothing for a one-off they paid (``cold``) and the requests it has served."""
         keys = sorted(set(CANDIDATES) | set(self.verify_s)) if self.verify_s else []
         estimates = {k: self.estimate(k) for k in keys}
         return {"alpha": self.alpha, "draft_s": self.draft_s, "round_s": self.round_s, "level": self.level,
                 "per_token_s": {str(k): v for k, v in estimates.items() if v is not None},
-                "samples": {str(k): n for k, n in sorted(self.samples.items())}, "cold": self.cold}
+                "samples": {str(k): n for k, n in sorted(self.samples.items())}, "cold": self.cold,
+                "requests": self.requests}
 
     @property
     def caching(self) -> bool:
@@ -226,6 +228,7 @@ class WindowChooser:
     def begin_request(self) -> None:
         """A request starts: its first round follows a prefill, so it measures nothing."""
         self.kind, self.stint, self.stint_measured = None, 0, True
+        self.requests += 1
 
     def _fit_draft(self, x: int, y: float) -> None:
         """Update ``c`` and ``d`` with a round of ``x`` forwards that drafted for ``y`` seconds."""

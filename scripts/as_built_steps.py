@@ -46,7 +46,8 @@ parser.add_argument("--out", default="runs/as-built-steps")
 parser.add_argument("--work", default=None, help="keep the synthetic model here (default: a temporary folder)")
 parser.add_argument("--workload", default="qwen-led", choices=sorted(vd.WORKLOADS),
                     help="validate_dispatch.py's workload (default qwen-led; mixtral-agree: Mixtral's shapes "
-                         "with a draft that agrees, issue 34's Mixtral targets)")
+                         "with a draft that accepts a third of its windows; mixtral-led: one that accepts ~90 %%, "
+                         "issue 34's Mixtral target)")
 parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the compute dtype (default float32; bfloat16: the conversions a GPU's bf16 step issues)")
 args = parser.parse_args()

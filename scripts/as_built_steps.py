@@ -81,9 +81,10 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
             target.offload.set_host(None)
             try:
                 engine = Engine(target, draft if window else None, window=window)
-                if setting == "specter-kept" and kept is not None:
-                    engine.policy.use_window_chooser(kept)
-                kept = engine.policy.window_chooser()
+                if setting == "specter-kept":
+                    if kept is not None:
+                        engine.policy.use_window_chooser(kept)
+                    kept = engine.policy.window_chooser()
                 if prepared:  # outside the clock's counting: what a request pays is what it runs
                     engine.prepare_steps()
                 with clock.counting():

@@ -273,16 +273,29 @@ class _Spy(Policy):
         self.calls.append(("plans", [d.round for d in deltas]))
 
 
-def test_the_schedule_holds_plans_a_few_rounds_ahead_and_drops_passed_ones(replica) -> None:
-    store = replica.store
-    prefix = new_prefix("spt-hold")
+@contextmanager
+def _lone_schedule(store, name: str, policy: Policy | None = None) -> Iterator[TransferExperts]:  # type: ignore[no-untyped-def]
+    """A transfer schedule (``policy``, default demand-lru) over 4 shared slots, no server around it."""
+    prefix = new_prefix(name)
     slots = SharedSlots.create(prefix, 4, store.shape.numel, store.shape.dtype)
     counters = SharedCounters(prefix, create=True)
     index = SharedIndex(prefix, max(store.layers) + 1, store.num_experts, create=True)
     link = SlotWriterLink(slots, counters, LINK.bandwidth, LINK.latency)
-    spy = _Spy()
     try:
-        schedule = TransferExperts(store, slots, index, link, {-1: 4}, spy, None)
+        yield TransferExperts(store, slots, index, link, {-1: 4}, policy or make_policy("demand-lru"), None)
+    finally:
+        link.close()
+        index.close()
+        slots.close()
+        slots.unlink()
+        counters.close()
+        unlink_prefix(prefix)
+
+
+def test_the_schedule_holds_plans_a_few_rounds_ahead_and_drops_passed_ones(replica) -> None:
+    store = replica.store
+    spy = _Spy()
+    with _lone_schedule(store, "spt-hold", spy) as schedule:
         schedule.begin_round(RoundStart(0, 10, 4))  # wire ids = engine ids + 10
         delta = PlanDelta(10, 0, [store.layers[0]], [[1]], [[0.5]])
         schedule.on_plan(delta)  # the running round: at once, with the engine's id
@@ -296,32 +309,6 @@ def test_the_schedule_holds_plans_a_few_rounds_ahead_and_drops_passed_ones(repli
         assert spy.calls[-1] == ("plans", [1, 1])  # held ones together, with the engine's id
         schedule.begin_round(RoundStart(3, 13, 4))  # round 2 (wire 12) never started
         assert schedule.plans_dropped == 3 and not schedule.early
-    finally:
-        link.close()
-        index.close()
-        slots.close()
-        slots.unlink()
-        counters.close()
-        unlink_prefix(prefix)
-
-
-@contextmanager
-def _lone_schedule(store, name: str) -> Iterator[TransferExperts]:  # type: ignore[no-untyped-def]
-    """A transfer schedule (demand-lru) over 4 shared slots, no server around it."""
-    prefix = new_prefix(name)
-    slots = SharedSlots.create(prefix, 4, store.shape.numel, store.shape.dtype)
-    counters = SharedCounters(prefix, create=True)
-    index = SharedIndex(prefix, max(store.layers) + 1, store.num_experts, create=True)
-    link = SlotWriterLink(slots, counters, LINK.bandwidth, LINK.latency)
-    try:
-        yield TransferExperts(store, slots, index, link, {-1: 4}, make_policy("demand-lru"), None)
-    finally:
-        link.close()
-        index.close()
-        slots.close()
-        slots.unlink()
-        counters.close()
-        unlink_prefix(prefix)
 
 
 def test_a_prefetch_the_verifier_read_is_resident_again_for_the_schedule(replica) -> None:

@@ -94,10 +94,12 @@ def test_a_round_that_paid_a_one_off_cost_does_not_teach_the_window_chooser(setu
         target = OffloadedTarget.load(folder, SlotConfig(experts=top_k), LINK, policy="specter", step="static")
         try:
             engine = Engine(target, draft, 8)
+            chooser = engine.policy.window_chooser()
+            assert chooser is not None
+            chooser.verify_s[0] = 1.0  # plain steps priced out (1 s): the run drafts, at several K
             tokens, _ = engine.generate_fresh(PROMPT, NEW)
             assert tokens == expected
             engine.generate_fresh(PROMPT[:3], 40)
-            chooser = engine.policy.window_chooser()
             assert chooser is not None and target.graphed is not None and target.graphed.cold >= 3
             assert (chooser.summary()["cold"] >= 1) == tell  # the rounds it was told of, and measured nothing in
             return {k: v for k, v in chooser.verify_s.items() if chooser.samples.get(k)}

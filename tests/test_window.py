@@ -40,10 +40,13 @@ def test_expected_tokens_is_the_geometric_sum():
         assert chooser.expected_tokens(k) == pytest.approx(sum(0.75**i for i in range(k + 1)))
 
 
-def test_first_a_plain_step_then_the_start_window_until_a_drafting_round_is_measured():
+def test_first_two_plain_steps_then_the_start_window_until_a_drafting_round_is_measured():
     chooser = WindowChooser()
     assert chooser.choose(16) == 0
-    chooser.record(0, 0.0, 1.0, 0)
+    chooser.record(0, 0.0, 5.0, 0)  # the first follows a prefill: no anchor
+    assert chooser.verify_s == {} and chooser.choose(16) == 0
+    chooser.record(0, 0.0, 1.0, 0)  # the second anchors a plain step's cost (no sample: not settled)
+    assert chooser.verify_s == {0: 1.0} and chooser.samples == {}
     assert chooser.choose(16) == START
     chooser.record(START, 0.5, 2.0, 2)  # after a plain step: not settled, not measured
     assert START not in chooser.verify_s and chooser.draft_s is None
@@ -52,8 +55,26 @@ def test_first_a_plain_step_then_the_start_window_until_a_drafting_round_is_meas
     assert chooser.verify_s[START] == 2.0 and chooser.draft_s == pytest.approx(0.5 / START)
 
 
+def test_a_dear_first_step_after_the_prefill_does_not_stand_for_plain_steps():
+    """The first round follows a prefill: at Mixtral's shapes on the as-built clock it cost 46 ms where
+    a plain step costs ~10 (``scripts/as_built_steps.py --workload mixtral-agree``), and at ρ 1 on the
+    virtual clock 9.7 against ~8. Taken for a plain step's cost, it kept plain steps from ever being
+    measured: a draft that loses to them (here 1.7× a plain step per token) still beat that anchor and
+    ran to the end of the run. The second plain round anchors instead."""
+    verify = lambda k: 1.0 if k == 0 else 1.5 + 0.4 * k  # noqa: E731
+    chooser = WindowChooser()
+    chooser.record(chooser.choose(16), 0.0, 5.0, 0)  # the round after the prefill
+    played = _drive(chooser, 300, 0.4, 0.5, verify)
+    costs = {k: _true_cost(k, 0.4, 0.5, verify) for k in CANDIDATES if k <= 16}
+    assert min(costs, key=costs.__getitem__) == 0 and costs[1] > 1.5 * costs[0]
+    late = played[100:]
+    spent = sum(_true_cost(k, 0.4, 0.5, verify) for k in late) / len(late)
+    assert spent <= 1.03 * costs[0], late[-20:]
+
+
 def test_a_rounds_fixed_drafting_cost_is_told_from_the_per_forward_cost():
     chooser = WindowChooser()
+    chooser.record(0, 0.0, 1.0, 0)
     chooser.record(0, 0.0, 1.0, 0)
     chooser.record(4, 3.0 + 0.5 * 4, 2.0, 4)  # after a plain step: not measured
     assert chooser.draft_s is None
@@ -86,7 +107,7 @@ def test_a_k_chosen_ahead_leaves_the_running_rounds_choice_in_place():
     kept the engine plain to the end — most rounds of a run, on the virtual clock and on the H200.)"""
     chooser = WindowChooser()
     chooser.accepted, chooser.tried = 19.0, 20.0  # alpha 0.95
-    chooser.record(0, 0.0, 1.0, 0)  # the anchor: a plain step costs 1 s
+    chooser.record(0, 0.0, 1.0, 0)  # the first step, then plain steps of 1 s (the second anchors)
     for _ in range(5):
         chooser.record(0, 0.0, 1.0, 0)
     chooser.record(8, 0.8, 3.0, 8)  # the switch to drafting: not settled

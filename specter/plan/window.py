@@ -41,9 +41,11 @@ measured lately (counts decay per round): an untried or long-unplayed K whose es
 gets played, so a cold first measurement (or a stale one) does not exclude a K for good. K = 0 gets
 none: what a plain step costs hardly changes while the run drafts, what drafting costs does —
 unless there are two plain arms, each living off what the other cached: then both get it. The
-very first round is a plain step (K = 0), then ``START`` tokens are drafted until a drafting round
-was measured; that first round's time anchors ``v(0)`` but is no sample (it follows a prefill, so
-it is dear: kept as one, an unplayed plain arm looked dearer than it is for good).
+first two rounds are plain steps (K = 0), then ``START`` tokens are drafted until a drafting round
+was measured; the second round's time anchors ``v(0)`` but is no sample (a stint of plain steps
+settles later). The first round anchors nothing: it follows a prefill and costs what no plain step
+costs again (46 ms against ~10 at Mixtral's shapes on the as-built clock); taken for a plain step,
+it let a draft that loses to plain steps beat the anchor, and plain steps were never measured.
 
 A round that paid a one-off (``cold``: a step shape run for the first time, its CUDA graphs
 captured — on a GPU a token count's first two steps) measures no cost either: a K's first
@@ -202,7 +204,7 @@ class WindowChooser:
             self.observe(k, accepted)
         if self.kind != min(k, 1):
             self.kind, self.stint, self.stint_measured = min(k, 1), 0, False
-        if not self.verify_s:  # the anchor (the first round of all) follows a prefill: not a sample
+        if not self.verify_s and k <= 0 and self.stint > 0:  # the anchor: a second plain round (not a sample)
             self.verify_s[k] = verify_s
         settled = self.stint >= SETTLE[k > 0]
         self.stint += 1

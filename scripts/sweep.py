@@ -4,6 +4,7 @@
     python scripts/sweep.py budget --budgets 0.125,0.25,0.5,0.75
     python scripts/sweep.py machine --links pcie3,pcie4,pcie5,c2c --hosts ddr4,ddr5,lpddr5x --budgets 0.125,0.4
     python scripts/sweep.py grid --rhos 1,3,10,30,100 --budgets 0.125,0.25,0.5,0.75
+    python scripts/sweep.py grid --num-prompts 8 --skip-prompts 8      # the same on the next 8 prompts
 
 Every point is one ``specter bench`` run (same prompts, policies interleaved) on the virtual clock,
 so a sweep takes minutes and its figures do not depend on this machine's load. ``machine`` keeps
@@ -51,7 +52,11 @@ POLICIES = "demand-lru,demand-host,specter-paper+host,specter"
 
 
 def _config(args: argparse.Namespace, profiles: list[str], budget: float | None, rho: float | None) -> bench.BenchConfig:
-    prompts = load_prompts(args.model, None, args.num_prompts)
+    held_out = load_prompts(args.model, None, args.skip_prompts + args.num_prompts)
+    if len(held_out) < args.skip_prompts + args.num_prompts:
+        raise SystemExit(f"--skip-prompts {args.skip_prompts} --num-prompts {args.num_prompts}: the held-out set has "
+                         f"only {len(held_out)} prompts")
+    prompts = held_out[args.skip_prompts:]
     policies = [p for p in args.policies.split(",") if p]
     windows = {p: args.window for p in policies if bench.drafts(p) and not adapts(p)}  # adaptive: its own cap
     config = bench.BenchConfig(args.model, args.model + "-awq", prompts, profiles, policies, windows, budget,
@@ -235,6 +240,8 @@ def main() -> int:
     parser.add_argument("--profile", default="qwen2moe-pcie4", choices=list(PROFILES))
     parser.add_argument("--policies", default=POLICIES)
     parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--skip-prompts", type=int, default=0,
+                        help="start after this many held-out prompts (another set of prompts: e.g. 8, 16 with --num-prompts 8)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=8, help="K of the drafting policies at a fixed K (no scan); specter chooses its own")
     parser.add_argument("--rhos", default="1,3,10,30,100")

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from specter.plan import make_policy
-from specter.plan.window import CANDIDATES, PLAIN_CACHED, START, WindowChooser
+from specter.plan.window import CANDIDATES, PLAIN_CACHED, SETTLE, START, WindowChooser
 
 
 def _true_cost(k: int, alpha: float, draft: float, verify, fixed: float = 0.0) -> float:  # type: ignore[no-untyped-def]
@@ -108,12 +108,12 @@ def test_a_k_chosen_ahead_leaves_the_running_rounds_choice_in_place():
     chooser = WindowChooser()
     chooser.accepted, chooser.tried = 19.0, 20.0  # alpha 0.95
     chooser.record(0, 0.0, 1.0, 0)  # the first step, then plain steps of 1 s (the second anchors)
-    for _ in range(5):
+    for _ in range(SETTLE[False] + 1):
         chooser.record(0, 0.0, 1.0, 0)
     chooser.record(8, 0.8, 3.0, 8)  # the switch to drafting: not settled
     chooser.record(8, 0.8, 3.0, 8)  # measured: (0.8 + 3) / E(8) ~ 0.5 s a token, cheaper than plain
-    for _ in range(5):
-        chooser.record(0, 0.0, 1.0, 0)  # back on plain steps (as after a request whose K was capped)
+    for _ in range(SETTLE[False] + 1):  # a settled stint of plain steps (as after a request whose K was capped)
+        chooser.record(0, 0.0, 1.0, 0)
     first = chooser.choose(16)
     assert first > 0 and chooser.last == first
     assert chooser.choose(1, ahead=True) == 0  # 2 tokens left after this round: plain is cheaper there

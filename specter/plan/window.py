@@ -53,12 +53,16 @@ settled round is the second with its verify pass's token count, the one that cap
 and counted it makes drafting look many times dearer than it is (the likely cause of the plain
 rounds of ``specter`` in the H200's run: docs/benchmark.md).
 
-Only settled rounds measure costs: a stint of plain steps measures from its fifth round, a stint
+Only settled rounds measure costs: a stint of plain steps measures from its ninth round, a stint
 of drafting rounds from its second, and the first round of a request measures nothing (acceptance
 counts from every drafting round: that is the draft's and the target's, whatever the link did).
 The first drafting round after plain steps verifies with nothing prefetched and feeds the draft
-every token it skipped; the first plain steps after drafting live off the drafting's prefetches:
-neither is what that K costs when it is kept, which is what the choice is about. Once the chooser
+every token it skipped; the first plain steps after drafting live off the drafting's prefetches
+and then, with many slots, refill them with what plain steps cache (at ρ 3, 75 % a plain step
+costs 8.6–10 ms for a dozen rounds after drafting and 7.7 once the slots are its own): neither is
+what that K costs when it is kept, which is what the choice is about (a stint of plain steps
+measured from its fifth round made drafting look cheaper than plain steps where it is not: the
+grid on three prompt sets, docs/benchmark.md). Once the chooser
 switches between plain and drafting (or between the plain arms) it stays until the new stint has
 measured a settled round.
 """
@@ -79,7 +83,7 @@ ALPHA_MAX = 0.999  # a guard, not a prior: at 0.99 E(32) could not pass 28.2 tok
 BONUS = 0.05  # optimism: a K measured n times (lately) is credited 1 - BONUS / sqrt(n + 1)
 UNTRIED_BONUS = 0.1  # optimism for a K never measured (its v is interpolated)
 PLAIN_BONUS = 0.01  # optimism between the two plain arms, measured n times (lately): 1 - PLAIN_BONUS / sqrt(n + 1)
-SETTLE = {False: 4, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
+SETTLE = {False: 8, True: 1}  # rounds of a kind in a row before one measures (plain, drafting)
 SPREAD = 1.0  # the rounds' forwards must vary this much (variance) before c is told from d
 PLAIN_CACHED = -1  # the plain step that caches its host-computed experts (``cache_arm``)
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)

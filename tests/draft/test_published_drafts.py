@@ -193,7 +193,7 @@ def _read_all(folder: Path) -> dict[str, torch.Tensor]:
 def _speculate(target: Path, draft: Path, window: int) -> tuple[list[int], list[int], float]:
     reference = AutoModelForCausalLM.from_pretrained(str(target), experts_implementation="eager").eval()
     want = reference.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    offloaded = OffloadedTarget.load(target, SlotConfig(fraction=0.5), LinkConfig(kind="sim"), policy="specter",
+    offloaded = OffloadedTarget.load(target, SlotConfig(fraction=0.5), LinkConfig(kind="sim"), policy="specter+fixed",
                                      device="cpu")
     proposer = DraftModel.load(draft, device="cpu", mode="dequant-cache")
     try:

@@ -59,8 +59,8 @@ counts from every drafting round: that is the draft's and the target's, whatever
 The first drafting round after plain steps verifies with nothing prefetched and feeds the draft
 every token it skipped; the first plain steps after drafting live off the drafting's prefetches
 and then, with many slots, refill them with what plain steps cache (at ρ 3, 75 % a plain step
-costs 8.6–10 ms for a dozen rounds after drafting and 7.7 once the slots are its own): neither is
-what that K costs when it is kept, which is what the choice is about (a stint of plain steps
+costs 8.5–12 ms for the first ten rounds or so after drafting and 7.7–8.7 once the slots are its
+own): neither is what that K costs when it is kept, which is what the choice is about (a stint of plain steps
 measured from its fifth round made drafting look cheaper than plain steps where it is not: the
 grid on three prompt sets, docs/benchmark.md). Once the chooser
 switches between plain and drafting (or between the plain arms) it stays until the new stint has

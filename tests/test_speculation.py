@@ -100,7 +100,7 @@ def test_a_round_that_paid_a_one_off_cost_does_not_teach_the_window_chooser(setu
             tokens, _ = engine.generate_fresh(PROMPT, NEW)
             assert tokens == expected
             engine.generate_fresh(PROMPT[:3], 40)
-            assert chooser is not None and target.graphed is not None and target.graphed.cold >= 3
+            assert target.graphed is not None and target.graphed.cold >= 3
             assert (chooser.summary()["cold"] >= 1) == tell  # the rounds it was told of, and measured nothing in
             return {k: v for k, v in chooser.verify_s.items() if chooser.samples.get(k)}
         finally:

@@ -82,16 +82,14 @@ def test_plain_steps_are_measured_after_they_have_refilled_the_slots():
     verify = lambda k: 1.6 + 0.2 * k  # noqa: E731  (drafting: K 2 is its best, 1.15 a token)
     assert min(_true_cost(k, alpha, draft, verify) for k in range(1, 17)) > 1.1
     for seed in range(10):
-        rng = random.Random(seed)
-        chooser, played, since = WindowChooser(), [], 100  # since: plain rounds since a drafting one
-        for _ in range(300):
-            k = chooser.choose(16)
-            accepted = 0
-            while accepted < k and rng.random() < alpha:
-                accepted += 1
+        since = 100  # plain rounds since a drafting one
+
+        def refilling(k: int) -> float:  # what the round of K that ``_drive`` plays costs
+            nonlocal since
             since = since + 1 if k == 0 else 0
-            chooser.record(k, k * draft, (1.3 if since <= 6 else 1.0) if k == 0 else verify(k), accepted)
-            played.append(k)
+            return (1.3 if since <= 6 else 1.0) if k == 0 else verify(k)
+
+        played = _drive(WindowChooser(), 300, alpha, draft, refilling, seed=seed)
         assert played[100:].count(0) >= 195, (seed, played[-20:])
 
 

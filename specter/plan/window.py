@@ -152,7 +152,7 @@ class WindowChooser:
         options = [k for k in CANDIDATES if k <= limit] + ([PLAIN_CACHED] if self.cache_arm else [])
         if 0 < limit < CANDIDATES[-1] and limit not in options:  # the request's last tokens
             options.append(limit)
-        if not self.verify_s:  # first a plain step: v(0) anchors every K's estimate from below
+        if not self.verify_s:  # plain steps until the second anchors v(0), every K's estimate from below
             arm = 0
         elif set(self.verify_s) <= {0, PLAIN_CACHED}:
             arm = max(c for c in options if c <= START)

@@ -51,66 +51,71 @@ def _started_head(env: dict[str, str], cpus: int):
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-@pytest.fixture()
+@pytest.fixture(scope="class")
 def head():
     yield from _started_head(_token_env(), cpus=2)
 
 
-def test_client_attaches_to_ray_start_cluster_and_generates(head, tiny_dir):
-    _, env = head  # the client finds the newest cluster on this machine: address="auto"
-    folder = tiny_dir("mixtral")
-    ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
-    want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    proc = subprocess.run(
-        [sys.executable, "-m", "specter.cli", "generate", "--model", str(folder), "--draft", str(folder),
-         "--policy", "specter", "--window", "3", "--prompt-ids", ",".join(map(str, PROMPT)),
-         "--max-new-tokens", str(NEW), "--budget", "0.5", "--address", "auto", "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["tokens"] == want[0, len(PROMPT):].tolist()
-    assert result["stats"]["rounds"] > 0
+class TestATokenCluster:
+    """Both on one head, started and stopped once (`ray start` ~5 s, `ray stop` ~7 s)."""
+
+    def test_client_attaches_to_ray_start_cluster_and_generates(self, head, tiny_dir):
+        _, env = head  # the client finds the newest cluster on this machine: address="auto"
+        folder = tiny_dir("mixtral")
+        ref = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+        want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "specter.cli", "generate", "--model", str(folder), "--draft", str(folder),
+             "--policy", "specter", "--window", "3", "--prompt-ids", ",".join(map(str, PROMPT)),
+             "--max-new-tokens", str(NEW), "--budget", "0.5", "--address", "auto", "--json"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["tokens"] == want[0, len(PROMPT):].tolist()
+        assert result["stats"]["rounds"] > 0
+
+    def test_a_driver_without_the_clusters_token_is_refused_in_bounded_time(self, head):
+        address, env = head
+        env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))  # not the cluster's
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "specter.cli", "generate", "--prompt-ids", "1,2", "--address",
+                               address, "--connect-timeout", "10"], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stderr[-2000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
+        assert len(lines) == 1 and "refused this driver's token" in lines[0] and address in lines[0], proc.stderr[-2000:]
 
 
-def test_a_driver_without_the_clusters_token_is_refused_in_bounded_time(head):
-    address, env = head
-    env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))  # not the cluster's
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "specter.cli", "generate", "--prompt-ids", "1,2", "--address",
-                           address, "--connect-timeout", "10"], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
-    assert len(lines) == 1 and "refused this driver's token" in lines[0] and address in lines[0], proc.stderr[-2000:]
-
-
-@pytest.fixture()
-def plain_head(tmp_path):
+@pytest.fixture(scope="class")
+def plain_head(tmp_path_factory):
     """A plain `ray start --head`: no token authentication (Ray's default)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    env.update(RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))  # no ~/.ray/auth_token either
+    env.update(RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path_factory.mktemp("home")))  # no ~/.ray/auth_token either
     yield from _started_head(env, cpus=1)
 
 
-@pytest.mark.parametrize("token", [False, True], ids=["no-token", "a-token"])
-def test_a_cluster_without_token_authentication_is_told_in_one_line(plain_head, tmp_path, token):
-    """Without a token Ray itself would abort the driver with a C++ check dump; with one it would join
-    and then lose its actors. Both end here with status 1 and the README's steps, for generate, batch and serve."""
-    address, env = plain_head
-    if token:
-        env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))
-    prompts = tmp_path / "in.jsonl"
-    prompts.write_text('{"id": 1, "prompt": "hi"}\n')
-    for command in (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")],
-                    ["serve", "--port", "0"]):
-        proc = subprocess.run([sys.executable, "-m", "specter.cli", *command, "--address", address],
-                              capture_output=True, text=True, env=env, timeout=120)
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
-        assert len(errors) == 1 and "Traceback" not in proc.stderr and "Check failed" not in proc.stderr, \
-            proc.stderr[-2000:]
-        assert "runs without token authentication" in errors[0] and "RAY_AUTH_MODE=token ray start --head" in errors[0]
-        assert len(proc.stderr.splitlines()) <= 2  # batch says what it is about to run first
+class TestAClusterWithoutTokens:
+    """Both cases on one plain head, started and stopped once."""
+
+    @pytest.mark.parametrize("token", [False, True], ids=["no-token", "a-token"])
+    def test_a_cluster_without_token_authentication_is_told_in_one_line(self, plain_head, tmp_path, token):
+        """Without a token Ray itself would abort the driver with a C++ check dump; with one it would join
+        and then lose its actors. Both end here with status 1 and the README's steps, for generate, batch and serve."""
+        address, env = plain_head
+        if token:
+            env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))
+        prompts = tmp_path / "in.jsonl"
+        prompts.write_text('{"id": 1, "prompt": "hi"}\n')
+        for command in (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")],
+                        ["serve", "--port", "0"]):
+            proc = subprocess.run([sys.executable, "-m", "specter.cli", *command, "--address", address],
+                                  capture_output=True, text=True, env=env, timeout=120)
+            assert proc.returncode == 1, proc.stderr[-2000:]
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
+            assert len(errors) == 1 and "Traceback" not in proc.stderr and "Check failed" not in proc.stderr, \
+                proc.stderr[-2000:]
+            assert "runs without token authentication" in errors[0] and "RAY_AUTH_MODE=token ray start --head" in errors[0]
+            assert len(proc.stderr.splitlines()) <= 2  # batch says what it is about to run first
 
 
 @pytest.fixture()

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from specter.config import LinkConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.draft.quantize.model import quantize_model
 from specter.engine import Engine
 from specter.eval.synthetic import build_held_out
+from specter.models.decode import LeanStep, _rms
 from specter.target import OffloadedTarget
 from specter.timing.clock import VirtualClock, make_clock
 from specter.timing.costs import resolve_timing
@@ -60,6 +62,56 @@ def test_a_dtype_change_is_a_kernel_inside_inference_mode_too(inference):
         x.transpose(1, 2).contiguous()  # a copy: a kernel
     assert counted.kernels == counted.ops == 3, counted.by_name
     assert torch.equal(narrow, x)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])  # (the tiny qwen2_moe's biases keep its router unfused)
+def test_a_bf16_layers_norms_and_routing_weights_convert_no_dtypes_and_are_transformers(family, tiny_dir):
+    """A GPU's step computes in bf16. An RMSNorm's fp32 part took a conversion in and one out, and the
+    routing weights one more (five kernels a layer, as many as its attention's matmuls); the norm's own
+    kernel rounds its output now and a renormalizing router's division writes the model's dtype. Both stay
+    transformers' modules bit for bit: the norm, and the router's weights cast as its experts take them."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir(family), experts_implementation="eager",
+                                                 dtype=torch.bfloat16).eval()
+    lean = LeanStep.for_model(model, family, fused=True)
+    assert lean is not None and lean.fused is not None
+    layer = model.model.layers[0]
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, model.config.hidden_size).to(torch.bfloat16) * 4
+    with torch.inference_mode():
+        with DispatchCount() as counted:
+            normed = _rms(layer.post_attention_layernorm, x)
+            _, ids, weights, _ = lean.fused[0].route(normed)
+        want = layer.post_attention_layernorm(x)
+        _, want_weights, want_ids = layer.mlp.gate(want.view(5, -1))
+    # a router that renormalizes converts in its division; one that does not (qwen's default) chooses in fp32
+    # and casts what it chose
+    conversions = counted.by_name.get("to", 0) + counted.by_name.get("_to_copy", 0)
+    assert conversions == (0 if lean.fused[0].normalize else 1), counted.by_name
+    assert torch.equal(normed, want)
+    assert torch.equal(ids, want_ids) and weights.dtype == torch.bfloat16
+    assert torch.equal(weights, want_weights.to(torch.bfloat16))
+
+
+def test_a_graphed_steps_rotation_is_two_gathers_from_a_table_that_is_the_rotary_module(tiny_dir):
+    """The pieces a GPU replays take the step's positions on the device, so they cannot slice a table on
+    the host; the rotary module there issued some fifteen kernels a step. Now two gathers from a table
+    that covers the cache (remade larger when it grows), equal to transformers' rotary module at those
+    positions (its sin with the first half negated: the fused step's roll)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir("qwen2_moe"), experts_implementation="eager").eval()
+    lean = LeanStep.for_model(model, "qwen2_moe", fused=True)
+    assert lean is not None
+    like = model.model.embed_tokens.weight
+    with torch.inference_mode():
+        for capacity, positions in ((256, [0, 7, 255]), (512, [3, 300, 511])):
+            at = torch.tensor(positions)
+            lean.rotation_at(at, capacity, like)  # the table, made (or remade) once
+            with DispatchCount() as counted:
+                cos, sin = lean.rotation_at(at, capacity, like)
+            assert counted.kernels == 2, counted.by_name
+            want_cos, want_sin = model.model.rotary_emb(like, at[None])
+            half = want_sin.shape[-1] // 2
+            assert torch.equal(cos, want_cos.unsqueeze(1))
+            assert torch.equal(sin, torch.cat((-want_sin[..., :half], want_sin[..., half:]), dim=-1).unsqueeze(1))
 
 
 def test_implicit_syncs_are_counted():

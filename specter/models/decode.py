@@ -174,6 +174,19 @@ class LeanStep:
         cos, sin = self._rotation_table(start + tokens, weight)
         return cos[..., start : start + tokens, :], sin[..., start : start + tokens, :]
 
+    def rotation_at(self, positions: torch.Tensor, capacity: int, like: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary``'s cos and sin at ``positions`` (T,) held on the device, all below ``capacity``: rows of
+        the table (two gathers: a graphed step's positions are the device's, so it cannot slice them;
+        ``rotary`` issues some fifteen kernels in a bf16 step). The table is kept as long as the last one
+        made covers ``capacity`` (a graph captured over it holds it by ``p.table``: ``GraphedStep``); a
+        RoPE that changes with the positions seen is computed each step."""
+        rope = getattr(self.inner.rotary_emb, "rope_type", "default")
+        if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
+            return self.rotary(like, positions[None])
+        cos, sin = self._rotation_table(capacity, like)
+        return cos.index_select(2, positions), sin.index_select(2, positions)
+
     def _rotation_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary`` at positions 0 to at least ``positions`` in ``like``'s dtype and device, made by one call
         (its ops are elementwise, so each row is what a call at that position alone gives) and remade
@@ -235,13 +248,13 @@ def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     """RMSNorm with a given weight (a module's, or qwen3's q and k head norms stacked: a row per head).
 
     transformers' arithmetic — ``x / rms(x)`` in fp32, rounded to the model's dtype, times the weight
-    in it — with the fp32 part in one op (``F.rms_norm`` without a weight: on a GPU one fused kernel
-    where the module's ``pow``, ``mean``, ``add``, ``rsqrt`` and ``mul`` are five; on a CPU those same
-    ops, bit for bit). The weight stays outside it: inside, the fused kernel would multiply before
-    rounding, where transformers rounds first (a bf16 model's norms would round once, not twice)."""
-    dtype = x.dtype
-    x = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps)
-    return weight * x.to(dtype)
+    in it — with the fp32 part in one op: ``F.rms_norm`` without a weight, on ``x`` in its own dtype
+    (it computes in fp32 and rounds its output once, so a bf16 step issues no conversions around it:
+    on a GPU one fused kernel where the module's ``to``, ``pow``, ``mean``, ``add``, ``rsqrt``, ``mul``
+    and ``to`` are seven; on a CPU bit for bit those ops). The weight stays outside it: inside, the
+    fused kernel would multiply before rounding, where transformers rounds first (a bf16 model's norms
+    would round once, not twice)."""
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
 def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
@@ -285,10 +298,8 @@ class _Fused:
             return
         router = mlp.gate
         self.experts, self.top_k = router.weight.shape[0], router.top_k
-        # qwen2/qwen3 routers say whether they renormalize and return the model's dtype; mixtral's always
-        # renormalize and return fp32 (their forwards in transformers)
+        # qwen2/qwen3 routers say whether they renormalize; mixtral's always do (their forwards in transformers)
         self.normalize = getattr(router, "norm_topk_prob", True)
-        self.float_weights = not hasattr(router, "norm_topk_prob")
         shared = getattr(mlp, "shared_expert", None)
         parts = [router]
         if shared is not None:
@@ -362,8 +373,11 @@ class _Fused:
         logits = projected[:, : self.experts]
         probs, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
         self.routing = (ids, probs)
-        weights = probs / probs.sum(dim=-1, keepdim=True) if self.normalize else probs
-        weights = weights if self.float_weights else weights.to(logits.dtype)
+        # the weights in the model's dtype, which the experts' weighted sum takes (``weighted_sum`` casts
+        # them there), rounded in the division's own kernel
+        if not self.normalize:
+            return flat, ids, probs.to(logits.dtype), projected
+        weights = torch.div(probs, probs.sum(dim=-1, keepdim=True), out=probs.new_empty(probs.shape, dtype=logits.dtype))
         return flat, ids, weights, projected
 
     def combine(self, mlp: Any, out: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:

@@ -187,6 +187,7 @@ class _Pieces:
         self.moe: list[torch.Tensor] = []  # per split: the experts' output (residual in it), copied in
         self.routes: list[tuple[torch.Tensor, ...]] = []  # per split: rows, ids, weights, residual, projection
         self.positions = self.mask = self.cos = self.sin = self.logits = torch.empty(0)
+        self.table: Any = None  # the rotation table the step's cos and sin are gathered from
         self.graphs: list[Any] = []
         self.routing: list[Any] = []  # each fused layer's routing tensors as the graphs left them
         self.version = -1
@@ -445,7 +446,8 @@ class GraphedStep:
                 bias = torch.zeros(ahead.shape, device=ahead.device, dtype=hidden.dtype).masked_fill_(
                     ahead, float("-inf"))
                 p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
-                p.cos, p.sin = lean.rotary(hidden, p.positions[None])
+                p.cos, p.sin = lean.rotation_at(p.positions, self.cache.capacity, hidden)
+                p.table = lean._table  # the rows' table, alive as long as a graph that reads it
             start = 0
         else:
             layer = self.splits[i - 1]

@@ -10,9 +10,10 @@ counts each setting with the eager lean steps (a CPU's default) and with the pie
 CUDA graphs (``models/graphed.py``; each replay one op); ``--prepare`` makes every token count's steps
 ready before the runs (``Engine.prepare_steps``, as the GPU bench does), so no count's first steps run
 eagerly inside them. Beside ops and reads, the kernels the device runs (inside a replay too): what a
-graphed step takes at least, a floor each (``Dispatch.kernel_s``).
+graphed step takes at least, a floor each (``Dispatch.kernel_s``). ``--dtype bfloat16`` computes as a
+GPU does, with the dtype conversions a bf16 step issues.
 
-    python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--prepare] [--json OUT]
+    python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--prepare] [--dtype bfloat16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=0, help="also list the N most frequent ops per setting")
     parser.add_argument("--steps", default="eager", help="comma-separated: eager (a CPU's), static (a GPU's graphs)")
     parser.add_argument("--prepare", action="store_true", help="every token count's steps made ready first")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the compute dtype (default float32, a CPU's; bfloat16: a GPU's, with its conversions)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,16 +87,16 @@ def main() -> int:
         draft_dir = Path(args.draft) if args.draft else make_draft(model, Path(tmp) / "draft", args.method)
         prompt = list(range(3, 11))
         for step in args.steps.split(","):
-            draft = load_draft(draft_dir, device="cpu", mode=args.mode, step=step)
+            draft = load_draft(draft_dir, device="cpu", mode=args.mode, step=step, dtype=dtype)
             for name, budget, policy, window in SETTINGS:
                 target = OffloadedTarget.load(model, SlotConfig(fraction=budget), LinkConfig(
-                    kind="sim", bandwidth=1e12, latency=0.0), policy=policy, device="cpu", step=step)
+                    kind="sim", bandwidth=1e12, latency=0.0), policy=policy, device="cpu", step=step, dtype=dtype)
                 engine = Engine(target, draft if window else None, window=window)
                 if args.prepare:
                     engine.prepare_steps()
                 counted, tokens, per_round = count(engine, prompt, args.tokens)
                 per = tokens * len(target.loaded.moe_layers)
-                rows.append({"setting": f"{name} ({step}{', prepared' if args.prepare else ''})", "tokens": tokens, "tokens_per_round": per_round,
+                rows.append({"setting": f"{name} ({step}{', prepared' if args.prepare else ''}, {args.dtype})", "tokens": tokens, "tokens_per_round": per_round,
                              "ops": counted.ops / per, "reads": counted.reads / per, "syncs": counted.syncs / per,
                              "kernels": counted.kernels / per,
                              "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})

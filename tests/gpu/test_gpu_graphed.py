@@ -70,3 +70,28 @@ def test_the_int4_draft_on_the_device_gathers_its_experts_inside_the_graph() -> 
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got, dense, rtol=5e-2, atol=5e-2)
     assert graphed.graphed is not None and graphed.graphed.failure is None and graphed.graphed.captures >= 2
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bf16_norms_and_routing_weights_on_the_device_are_transformers_bit_for_bit(family, tiny_dir) -> None:  # type: ignore[no-untyped-def]
+    """``tests/test_dispatch.py``'s check on the device's kernels: ``F.rms_norm`` on a bf16 input (one fused
+    kernel that rounds its own output) is transformers' RMSNorm, and a renormalizing router's weights,
+    divided straight into bf16, are its weights cast, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from specter.models.decode import LeanStep, _rms
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir(family), experts_implementation="eager",
+                                                 dtype=torch.bfloat16).cuda().eval()
+    lean = LeanStep.for_model(model, family, fused=True)
+    assert lean is not None and lean.fused is not None
+    layer = model.model.layers[0]
+    x = (torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 4).to(
+        device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        normed = _rms(layer.post_attention_layernorm, x)
+        _, ids, weights, _ = lean.fused[0].route(normed)
+        want = layer.post_attention_layernorm(x)
+        _, want_weights, want_ids = layer.mlp.gate(want.view(5, -1))
+    assert torch.equal(normed, want)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights.to(torch.bfloat16))

@@ -114,6 +114,31 @@ def test_a_graphed_steps_rotation_is_two_gathers_from_a_table_that_is_the_rotary
             assert torch.equal(sin, torch.cat((-want_sin[..., :half], want_sin[..., half:]), dim=-1).unsqueeze(1))
 
 
+def test_a_graphed_step_moves_its_own_position_on_and_the_host_sets_it_only_after_a_prompt(tmp_path):
+    """Before each step the host wrote the cache's position into the device (a fill, outside the graph:
+    on a GPU a launch the device waits behind, after the step's sync). Each step now moves the position
+    on inside its graph; the host writes it only where it moved the length itself (the prompt, a crop).
+    Eight plain steps more issue no fill, and the tokens stay the eager step's."""
+    model = build_held_out(tmp_path / "model")
+    runs = {}
+    for step in ("eager", "static"):
+        target = OffloadedTarget.load(model, SlotConfig(fraction=1.0), FAST, "demand-lru", step=step)
+        try:
+            engine = Engine(target)
+            engine.prepare_steps()
+            fills = []
+            for new in (2, 10):
+                with DispatchCount() as counted:
+                    ids, _ = engine.generate_fresh(PROMPT, new)
+                fills.append(counted.by_name.get("fill_", 0))
+            runs[step] = ids
+        finally:
+            target.close()
+        if step == "static":
+            assert fills[1] - fills[0] == 0, fills
+    assert runs["static"] == runs["eager"]
+
+
 def test_implicit_syncs_are_counted():
     with DispatchCount() as counted:
         torch.arange(6).nonzero()

@@ -7,7 +7,8 @@ where its arithmetic needs ~0.05 ms (docs/benchmark.md). A CUDA graph launches a
 once, but only over buffers whose shapes and addresses never change. So:
 
 * ``StaticKV`` holds each layer's keys and values in buffers of a fixed capacity, the length on the
-  host and the next position on the device. A step writes its tokens at the device-side positions and
+  host and the next position on the device (moved on by each step inside its graph, set from the host
+  only after a crop or a prompt). A step writes its tokens at the device-side positions and
   attends over the whole capacity with the slots past them masked (``models/decode.py:
   masked_attention``). ``crop`` only moves the length (slots past it are masked until rewritten).
   When a sequence outgrows the capacity the buffers double, and a capture over the old ones is
@@ -84,7 +85,9 @@ class StaticKV:
 
     Attributes:
         length: positions held (host).
-        position: ``(1,)`` the position the static step writes next (device; set before each step).
+        position: ``(1,)`` the position the static step writes next (device). A step moves it on by its
+            tokens at its end, inside its graph, so the next step sets it from the host only where the host
+            moved the length otherwise (a crop, a prompt, a warm-up): ``on_device`` says what it holds.
         slots: ``(capacity,)`` 0, 1, …: the static step's mask is ``slots <= position``.
         version: bumped when the buffers move (a graph captured over the old ones is stale).
     """
@@ -100,6 +103,7 @@ class StaticKV:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.slots = torch.arange(capacity, device=device)
         self.length = 0
+        self.on_device: int | None = None  # what ``position`` holds once the steps issued have run (None: unknown)
         self.version = 0
         self.write_at = self.position  # the positions a step writes (set by GraphedStep for its pieces)
 
@@ -233,6 +237,7 @@ class GraphedStep:
         self.captures = 0
         self.cold = 0  # steps that did not replay: a token count's first (eager) and the one that captured
         self.failure: str | None = None  # why capturing failed (the step then runs eagerly)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # ``_bias_values``
 
     @property
     def routing(self) -> Routing:
@@ -255,7 +260,6 @@ class GraphedStep:
         cache, tokens = self.cache, input_ids.shape[1]
         with once_per_step:
             cache.reserve(cache.length + tokens)
-            cache.position.fill_(cache.length)
             pieces = self._pieces(tokens, self._resident())
             pieces.ids.copy_(input_ids, non_blocking=True)
         pieces.calls += 1
@@ -265,6 +269,10 @@ class GraphedStep:
             self.cold += 1  # a one-off cost: what a step of this count costs from now on is not this
         if stale:
             graphed = self._try_capture(pieces)
+        with once_per_step:
+            if cache.on_device != cache.length:  # a crop, a prompt, a warm-up: the device's position is not this step's
+                cache.position.fill_(cache.length)
+        cache.on_device = None  # until this step's last piece has run (it moves the position on by T)
         if pieces.slots is not None:
             self._whole_step(pieces, graphed)
         for i in range(len(self.splits) + 1 if pieces.slots is None else 0):
@@ -281,6 +289,7 @@ class GraphedStep:
             for fused, routing in zip(self.lean.fused, pieces.routing, strict=True):
                 fused.routing = routing
         cache.length += tokens
+        cache.on_device = cache.length
         with once_per_step:
             return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
 
@@ -422,6 +431,7 @@ class GraphedStep:
     def _warm(self, p: _Pieces) -> None:
         """Every piece once, in order, on the current stream (their experts' input zeros, unused; a
         whole step's experts run from their slots, their output unused)."""
+        self.cache.on_device = None  # the pieces move the position on: the next step sets it
         if p.slots is not None:
             self._whole_pass(p)
             return
@@ -443,9 +453,9 @@ class GraphedStep:
                 p.positions = self.cache.position + p.steps
                 ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
                 hidden = lean.inner.embed_tokens(p.ids)
-                bias = torch.zeros(ahead.shape, device=ahead.device, dtype=hidden.dtype).masked_fill_(
-                    ahead, float("-inf"))
-                p.mask = bias.repeat(self.groups, 1)  # a row per (query head of a key head's group, token)
+                bias = torch.where(ahead, *self._bias_values(hidden))  # -inf where a key is ahead, else 0
+                # a row per (query head of a key head's group, token); one token's row broadcasts over them
+                p.mask = bias if ahead.shape[0] == 1 else bias.repeat(self.groups, 1)
                 p.cos, p.sin = lean.rotation_at(p.positions, self.cache.capacity, hidden)
                 p.table = lean._table  # the rows' table, alive as long as a graph that reads it
             start = 0
@@ -475,6 +485,14 @@ class GraphedStep:
             hidden = fused.mlp(layer.mlp, x, hidden)
         with once_per_step:
             p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
+            self.cache.position.add_(p.ids.shape[1])  # the next step's, unless the host moves it (``on_device``)
+
+    def _bias_values(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-inf and 0 in ``like``'s dtype on its device, made once (outside any capture: a warm-up makes them)."""
+        if self._bias is None or self._bias[0].dtype != like.dtype or self._bias[0].device != like.device:
+            self._bias = (torch.full((), float("-inf"), dtype=like.dtype, device=like.device),
+                          torch.zeros((), dtype=like.dtype, device=like.device))
+        return self._bias
 
     def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:
         """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input: with slot

@@ -139,6 +139,32 @@ def test_a_graphed_step_moves_its_own_position_on_and_the_host_sets_it_only_afte
     assert runs["static"] == runs["eager"]
 
 
+def test_each_warm_up_writes_from_the_cache_length_not_from_where_the_last_one_left_the_position(tmp_path):
+    """Steps move the device's position on themselves, warm-ups too: seventeen token counts made ready
+    one after another after a 150-token prompt would have walked it 153 positions past the length, out
+    of the cache's 256 (an index error in the rotation's gather). Each warm-up starts from the length;
+    the steps after are the eager step's."""
+    model = build_held_out(tmp_path / "model")
+    prompt = [3 + i % 250 for i in range(150)]
+    tokens = {}
+    for step in ("eager", "static"):
+        target = OffloadedTarget.load(model, SlotConfig(fraction=1.0), FAST, "demand-lru", step=step)
+        try:
+            cache = target.new_cache()
+            logits = target.forward(torch.tensor([prompt]), cache)
+            if target.graphed is not None:
+                assert target.graphed.prepare(range(1, 18)) == 17
+                assert target.graphed.cache.capacity == 256
+            made = []
+            for _ in range(6):
+                made.append(int(logits[0, -1].argmax()))
+                logits = target.forward(torch.tensor([[made[-1]]]), cache)
+            tokens[step] = made
+        finally:
+            target.close()
+    assert tokens["static"] == tokens["eager"]
+
+
 def test_implicit_syncs_are_counted():
     with DispatchCount() as counted:
         torch.arange(6).nonzero()

@@ -431,6 +431,7 @@ class GraphedStep:
     def _warm(self, p: _Pieces) -> None:
         """Every piece once, in order, on the current stream (their experts' input zeros, unused; a
         whole step's experts run from their slots, their output unused)."""
+        self.cache.position.fill_(self.cache.length)  # from the length, whatever warm-ups ran before
         self.cache.on_device = None  # the pieces move the position on: the next step sets it
         if p.slots is not None:
             self._whole_pass(p)

@@ -395,9 +395,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
                      ) -> torch.Tensor:
     """Attention as plain matmuls: ``q`` (1, H, T, d) over ``k``, ``v`` (1, H_kv, S, d) plus ``bias``
     (G·T, S) with G = H / H_kv (the step's mask repeated per query head of a group, made once a step,
-    in the scores' dtype; one token's (1, S) row broadcasts over the group as it is), scaled and added in the scores' matmul (``-inf`` masks a key), the softmax
-    accumulated in fp32 (a low-precision dtype's kernel does so inside); returns (1, T, H, d). Three
-    kernels: the scores, the softmax, the values.
+    in the scores' dtype; one token's (1, S) row broadcasts over the group as it is), scaled and added
+    in the scores' matmul (``-inf`` masks a key), the softmax accumulated in fp32 (a low-precision
+    dtype's kernel does so inside); returns (1, T, H, d). Three kernels: the scores, the softmax, the
+    values.
 
     The graphed pieces' attention (``models/graphed.py``): SDPA picks its kernel by dtype, mask and
     head grouping (some of them fall back to its math path), while these matmuls are the same ops in

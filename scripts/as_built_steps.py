@@ -1,6 +1,6 @@
 """The as-built clock's prediction for this code on the H200, eager and with CUDA graphs.
 
-    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--out DIR]
+    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--real-layers N] [--out DIR]
 
 ``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
 ``qwen2moe-h200`` profile cut to 4 layers; ``--workload`` takes another of its workloads, e.g.
@@ -10,11 +10,11 @@ graphs (``step="static"``: each piece one launch, its kernels a device floor eac
 (``specter/timing/dispatch.py``) — once as the H200 ran them at fa408d0 (each token count's first
 two steps eager, inside the request) and once ``prepared`` (``Engine.prepare_steps`` before the
 request, as the GPU bench now runs every setting). Every setting starts each prompt from a fresh
-engine, as the H200's runs did; ``specter-kept`` is ``specter`` with one K chooser through the three
+engine, as the H200's runs did (``--real-layers``: the 4 layers standing for a whole model's, its
+step's own work spread over all of them); ``specter-kept`` is ``specter`` with one K chooser through the three
 prompts, as a running engine (and ``specter bench``) keeps what it learnt. ``--dtype bfloat16`` computes in bf16 as a GPU does
-(default fp32, as the CPU's engine): its steps then issue the dtype conversions a GPU's bf16 step runs
-(an RMSNorm's two, the routing weights'), which the clock charges a floor each. Prints one JSON line
-per setting; writes ``as_built_steps.json``.
+(default fp32, as the CPU's engine): whatever kernels a bf16 step issues that an fp32 one does not, the
+clock charges a floor each. Prints one JSON line per setting; writes ``as_built_steps.json``.
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ parser.add_argument("--workload", default="qwen-led", choices=sorted(vd.WORKLOAD
                          "with a draft that accepts a third of its windows; mixtral-led: one that accepts ~90 %%, "
                          "issue 34's Mixtral target)")
 parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="the compute dtype (default float32; bfloat16: the conversions a GPU's bf16 step issues)")
+                    help="the compute dtype (default float32, as the CPU engine; bfloat16, as a GPU computes)")
+parser.add_argument("--real-layers", type=int, default=vd.LAYERS,
+                    help="the real model's layers the synthetic model's 4 stand for (default 4: one each); e.g. 32, "
+                         "Mixtral's: each layer's ops and kernels charged 8 times, the step's own (embedding, LM head, "
+                         "launch, read) once, as a whole model's step pays them")
 args = parser.parse_args()
+if args.real_layers < 1:
+    parser.error(f"--real-layers: expected 1 or more layers, got {args.real_layers}")
 dtype = getattr(torch, args.dtype)
 torch.set_num_threads(1)
 synthetic = vd._synthetic()
@@ -61,7 +67,7 @@ model = work / "model"
 if not model.exists():
     synthetic.build_synthetic(shape, model, layers=4, gain=gain, shrink=shrink, dtype=torch.float32)
     quantize_model(str(model), str(work / "draft"), method="rtn", progress=False)
-profile = vd._profile(profile_name, synthetic.SHAPES[shape])
+profile = vd._profile(profile_name, synthetic.SHAPES[shape], args.real_layers)
 gen = torch.Generator().manual_seed(5)
 prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(3)]
 dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in the profile's time
@@ -93,8 +99,9 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
-        row = {"workload": args.workload, "dtype": args.dtype, "step": step, "dispatch": dname, "prepared": prepared, "setting": setting,
-               "tpot_ms": statistics.median(tpots),
+        row = {"workload": args.workload, "dtype": args.dtype, "real_layers": args.real_layers, "step": step,
+               "dispatch": dname, "prepared": prepared, "setting": setting, "tpot_ms": statistics.median(tpots),
+               "per_layer_ms": statistics.median(tpots) / args.real_layers,
                "accepted_per_window": acc}
         print(json.dumps(row), flush=True)
         out.append(row)

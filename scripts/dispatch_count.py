@@ -61,6 +61,7 @@ def count(engine: Engine, prompt: list[int], tokens: int) -> tuple[DispatchCount
     diff.ops, diff.reads, diff.syncs = long.ops - short.ops, long.reads - short.reads, long.syncs - short.syncs
     diff.kernels = long.kernels - short.kernels
     diff.by_name = {k: v - short.by_name.get(k, 0) for k, v in long.by_name.items()}
+    diff.kernels_by_name = {k: v - short.kernels_by_name.get(k, 0) for k, v in long.kernels_by_name.items()}
     rounds = stats.extra.get("rounds") or len(ids)
     return diff, n2 - n1, len(ids) / rounds
 
@@ -73,7 +74,8 @@ def main() -> int:
     parser.add_argument("--mode", default="dequant-cache", help="the draft's compute mode (default dequant-cache)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", help="write the counts here")
-    parser.add_argument("--top", type=int, default=0, help="also list the N most frequent ops per setting")
+    parser.add_argument("--top", type=int, default=0, help="also list the N most frequent kernels per setting (a replay's "
+                        "included), per MoE layer per token")
     parser.add_argument("--steps", default="eager", help="comma-separated: eager (a CPU's), static (a GPU's graphs)")
     parser.add_argument("--prepare", action="store_true", help="every token count's steps made ready first")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -99,7 +101,8 @@ def main() -> int:
                 rows.append({"setting": f"{name} ({step}{', prepared' if args.prepare else ''}, {args.dtype})", "tokens": tokens, "tokens_per_round": per_round,
                              "ops": counted.ops / per, "reads": counted.reads / per, "syncs": counted.syncs / per,
                              "kernels": counted.kernels / per,
-                             "top": sorted(counted.by_name.items(), key=lambda kv: -kv[1])[: args.top]})
+                             "top": [(k, v / per) for k, v in sorted(counted.kernels_by_name.items(),
+                                                                     key=lambda kv: -kv[1])[: args.top]]})
                 target.close()
     print("| setting | ops / MoE layer / token | kernels | host reads | implicit syncs | tokens / round |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -107,7 +110,7 @@ def main() -> int:
         print(f"| {row['setting']} | {row['ops']:.1f} | {row['kernels']:.1f} | {row['reads']:.2f} | {row['syncs']:.2f} "
               f"| {row['tokens_per_round']:.2f} |")
         if args.top:
-            print("    " + ", ".join(f"{k} {v}" for k, v in row["top"]))
+            print("    " + ", ".join(f"{k} {v:.2f}" for k, v in row["top"]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -69,19 +69,20 @@ def _synthetic() -> Any:
     return module
 
 
-def _profile(name: str, shape: dict[str, Any]) -> Any:
-    """The H200 profile of ``name`` cut to the synthetic model's 4 layers (one small layer is one real one)."""
+def _profile(name: str, shape: dict[str, Any], layers: int = LAYERS) -> Any:
+    """The H200 profile of ``name`` cut to ``layers`` (default the synthetic model's 4: one small layer is one
+    real one; more: each small layer stands for several, as the clock's ``layer_scale`` charges them)."""
     from specter.timing.profiles import PROFILES
 
     real = PROFILES[name]
     hidden, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     attention = hidden * hidden * 2 + 2 * hidden * (hidden // heads) * kv
     shared = 3 * hidden * shape.get("shared_expert_intermediate_size", 0)
-    dense = 2 * (LAYERS * (attention + shared) + 2 * 4096 * hidden)  # bf16, the small vocabulary's head
+    dense = 2 * (layers * (attention + shared) + 2 * 4096 * hidden)  # bf16, the small vocabulary's head
     top_k = shape["num_experts_per_tok"]
-    kv_bytes = LAYERS * kv * (hidden // heads) * 2 * 2
-    return replace(real, layers=LAYERS, experts_per_token=LAYERS * top_k,
-                   active_bytes=dense + LAYERS * top_k * real.expert_bytes, kv_bytes=kv_bytes)
+    kv_bytes = layers * kv * (hidden // heads) * 2 * 2
+    return replace(real, layers=layers, experts_per_token=layers * top_k,
+                   active_bytes=dense + layers * top_k * real.expert_bytes, kv_bytes=kv_bytes)
 
 
 def child(args: argparse.Namespace) -> int:

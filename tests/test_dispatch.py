@@ -94,24 +94,88 @@ def test_a_bf16_layers_norms_and_routing_weights_convert_no_dtypes_and_are_trans
 
 def test_a_graphed_steps_rotation_is_two_gathers_from_a_table_that_is_the_rotary_module(tiny_dir):
     """The pieces a GPU replays take the step's positions on the device, so they cannot slice a table on
-    the host; the rotary module there issued some fifteen kernels a step. Now two gathers from a table
-    that covers the cache (remade larger when it grows), equal to transformers' rotary module at those
-    positions (its sin with the first half negated: the fused step's roll)."""
+    the host; the rotary module there issued some fifteen kernels a step. Now two kernels: a gather from a
+    table that covers the cache (remade larger when it grows) and a ``where`` for the value heads. Each
+    query and key head's row is transformers' rotary module at those positions, ``[cos | sin with its
+    first half negated]`` (the fused step's roll); each value head's ``[1 | 0]``."""
     model = AutoModelForCausalLM.from_pretrained(tiny_dir("qwen2_moe"), experts_implementation="eager").eval()
     lean = LeanStep.for_model(model, "qwen2_moe", fused=True)
-    assert lean is not None
+    assert lean is not None and lean.fused is not None
+    rotated, kept = lean.fused[0].q_heads + lean.fused[0].kv_heads, lean.fused[0].kv_heads
     like = model.model.embed_tokens.weight
     with torch.inference_mode():
         for capacity, positions in ((256, [0, 7, 255]), (512, [3, 300, 511])):
             at = torch.tensor(positions)
-            lean.rotation_at(at, capacity, like)  # the table, made (or remade) once
+            lean.turn_at(at, capacity, like)  # the table, made (or remade) once
             with DispatchCount() as counted:
-                cos, sin = lean.rotation_at(at, capacity, like)
+                turn = lean.turn_at(at, capacity, like)
             assert counted.kernels == 2, counted.by_name
             want_cos, want_sin = model.model.rotary_emb(like, at[None])
             half = want_sin.shape[-1] // 2
-            assert torch.equal(cos, want_cos.unsqueeze(1))
-            assert torch.equal(sin, torch.cat((-want_sin[..., :half], want_sin[..., half:]), dim=-1).unsqueeze(1))
+            signed = torch.cat((-want_sin[0, :, :half], want_sin[0, :, half:]), dim=-1)
+            assert turn.shape == (rotated + kept, len(positions), 4 * half)
+            for head in range(rotated):
+                assert torch.equal(turn[head], torch.cat((want_cos[0], signed), dim=-1))
+            ones = torch.cat((torch.ones(2 * half), torch.zeros(2 * half)))
+            assert torch.equal(turn[rotated:], ones.expand(kept, len(positions), -1))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_graphed_attention_rotates_all_heads_at_once_and_writes_keys_and_values_in_one_copy(tiny_dir, family, dtype):
+    """A graphed piece's attention rotates q and k as transformers' ``apply_rotary_pos_emb`` does, bit for
+    bit (each product rounded, then the sum), in three kernels where the roll, two products and a sum were
+    four, with the value heads passed through unchanged, and writes the new keys and values to the cache
+    in one copy where it took two: the keys in the cache are transformers' rotated keys, the values its
+    values, both bit for bit."""
+    from transformers.models.mixtral.modeling_mixtral import apply_rotary_pos_emb
+
+    from specter.models.graphed import StaticKV
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir(family), experts_implementation="eager",
+                                                 dtype=dtype).eval()
+    lean = LeanStep.for_model(model, family, fused=True)
+    assert lean is not None and lean.fused is not None
+    attention, fused = model.model.layers[0].self_attn, lean.fused[0]
+    cache = StaticKV.for_model(model, capacity=16)
+    tokens, dim = 3, attention.head_dim
+    positions = torch.tensor([5, 6, 7])
+    cache.write_at = positions
+    x = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    mask = torch.zeros(fused.q_heads // fused.kv_heads * tokens, 16, dtype=dtype)
+    with torch.inference_mode():
+        turn = lean.turn_at(positions, cache.capacity, x)
+        fused.static_attention(attention, x, turn, mask, cache, x.clone())  # the gather's index, made once
+        with DispatchCount() as counted:
+            fused.static_attention(attention, x, turn, mask, cache, x.clone())
+        shape = (1, tokens, -1, dim)
+        q = attention.q_proj(x).view(shape).transpose(1, 2)
+        k = attention.k_proj(x).view(shape).transpose(1, 2)
+        v = attention.v_proj(x).view(shape).transpose(1, 2)
+        if hasattr(attention, "q_norm"):
+            q = attention.q_norm(q.transpose(1, 2)).transpose(1, 2)
+            k = attention.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(x, positions[None])
+        _, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys, values = cache.keys_values(0)
+    # the fused projection is one matmul where transformers runs three: equal to rounding there
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(keys[:, :, 5:8], want_k, **tol)
+    torch.testing.assert_close(values[:, :, 5:8], v, **tol)
+    names = counted.by_name
+    assert names.get("roll", 0) == 0 and names.get("index_copy", 0) + names.get("index_copy_", 0) == 1, names
+    # bit for bit from the fused projection's own output: the rotation and the copy add no rounding
+    with torch.inference_mode():
+        qkv = torch.nn.functional.linear(x, *fused.qkv).view(shape)
+        split = fused.q_heads + fused.kv_heads
+        qk = qkv[:, :, :split]
+        if fused.qk_norm is not None:
+            from specter.models.decode import _rms_weight
+            qk = _rms_weight(qk, *fused.qk_norm)
+        qk = qk.transpose(1, 2)
+        _, want_k = apply_rotary_pos_emb(qk[:, : fused.q_heads], qk[:, fused.q_heads :], cos, sin)
+    assert torch.equal(keys[:, :, 5:8], want_k)
+    assert torch.equal(values[:, :, 5:8], qkv[:, :, split:].transpose(1, 2))
 
 
 def test_a_graphed_step_moves_its_own_position_on_and_the_host_sets_it_only_after_a_prompt(tmp_path):
@@ -163,6 +227,33 @@ def test_each_warm_up_writes_from_the_cache_length_not_from_where_the_last_one_l
         finally:
             target.close()
     assert tokens["static"] == tokens["eager"]
+
+
+def test_a_resident_graphed_step_gathers_no_slot_per_pair_and_writes_each_layers_cache_once(held_out):
+    """All experts resident in the consecutive slots ``initial_slots`` lays out: the whole graphed step's
+    experts run over each layer's run of the pool with no slot-map gather, so its only ``index`` kernel a
+    layer is the rotation's; each layer writes its keys and values in one copy and rolls nothing. The
+    tokens are the eager step's."""
+    model, _ = held_out
+    runs = {}
+    for step in ("eager", "static"):
+        target = OffloadedTarget.load(model, SlotConfig(fraction=1.0), FAST, "demand-lru", step=step)
+        try:
+            engine = Engine(target)
+            engine.prepare_steps()
+            engine.generate_fresh(PROMPT, 4)
+            counts = []
+            for new in (2, 10):
+                with DispatchCount() as counted:
+                    tokens, _ = engine.generate_fresh(PROMPT, new)
+                counts.append(counted.kernels_by_name)
+            runs[step] = tokens
+            layers = len(target.loaded.moe_layers)
+        finally:
+            target.close()
+    per = {name: (counts[1].get(name, 0) - counts[0].get(name, 0)) / (8 * layers) for name in counts[1]}
+    assert per.get("index", 0) == 1 and per.get("index_copy_", 0) == 1 and per.get("roll", 0) == 0, per
+    assert runs["static"] == runs["eager"]
 
 
 def test_implicit_syncs_are_counted():

@@ -223,3 +223,36 @@ def test_a_pipelined_link_keeps_two_copies_in_flight_and_demand_still_goes_first
     with pytest.raises(ValueError, match="in_flight"):
         EngineLink(in_flight=0)
     link.close()
+
+
+@pytest.mark.parametrize(("groups", "whole"), [({-1: 12}, [0, 1, 2]), ({-1: 7}, []), ({0: 3, 1: 2, 2: 4}, [2])])
+def test_initial_slots_claim_round_robin_and_lay_each_layer_out_in_consecutive_slots(groups, whole) -> None:
+    """The initial residency is chosen round-robin over layers (expert 0 of every layer, then 1, …: the
+    recency order too), and each slot group's chosen experts take its slots in (layer, expert) order, so
+    a layer whose every expert fits runs over consecutive slots with no map (``slot_map`` gives the
+    first slot) and the resident step gathers no slot per pair."""
+    from specter.experts.executor import initial_slots, slot_map
+
+    layers, experts = [0, 1, 2], 4
+    shape = ExpertShape(4, 3, torch.float32)
+    pool = SlotPool(shape, dict(groups))
+    claimed = initial_slots(pool, layers, experts)
+    # the experts chosen, in the order they were claimed: what round-robin over free room chooses
+    room = dict(groups)
+    want = []
+    for key in [(layer, e) for e in range(experts) for layer in layers]:
+        group = -1 if -1 in groups else key[0]
+        if room[group]:
+            room[group] -= 1
+            want.append(key)
+    assert [key for key, _ in claimed] == want == list(pool.recency)
+    for slots in pool.group_slots.values():  # each group's slots in (layer, expert) order
+        held = [pool.owner[s] for s in slots if pool.owner[s] is not None]
+        assert held == sorted(held)
+    assert [layer for layer in layers if pool.layer_slots(layer, experts) is not None] == whole
+    for layer in whole:
+        slots = pool.layer_slots(layer, experts)
+        assert slots is not None and slots == list(range(slots[0], slots[0] + experts))
+        assert slot_map(slots, pool.device) == slots[0]
+    scattered = slot_map([3, 1, 2], pool.device)  # not consecutive: a map on the device
+    assert isinstance(scattered, torch.Tensor) and scattered.tolist() == [3, 1, 2]

@@ -38,6 +38,8 @@ from specter.stats import OffloadCounters
 from specter.timing.clock import WallClock
 from specter.timing.dispatch import defer_read
 
+SlotMap = torch.Tensor | int  # a layer's experts' slots: a device tensor, or the first of a consecutive run
+
 
 class OffloadedExperts:
     """The target's routed experts: host store + device slots + link + policy, on one clock."""
@@ -54,7 +56,7 @@ class OffloadedExperts:
         self.timeout = timeout
         self.counters = OffloadCounters()
         self.last_needed: dict[int, list[int]] = {}  # layer → the experts the latest pass routed to
-        self._maps: dict[int, tuple[int, tuple[torch.Tensor, list[int]] | None]] = {}  # layer → (pool version, slots)
+        self._maps: dict[int, tuple[int, tuple[SlotMap, list[int]] | None]] = {}  # layer → (pool version, slots)
         self.context = 0  # positions the running pass's KV cache holds before it (for its cost)
         self.trace: Trace | None = None  # when set, each layer's routing is recorded (the bound)
         # Called with the seconds a wait ahead will last, before the pass waits for a transfer or the
@@ -190,20 +192,21 @@ class OffloadedExperts:
             self._finish_host(on_host)
         return outputs
 
-    def resident_map(self, layer: int) -> tuple[torch.Tensor, list[int]] | None:
-        """Each of ``layer``'s experts' slot (on the device, and as a list) when every one is ready in a
-        slot; None otherwise. Rebuilt only when the residency changed."""
+    def resident_map(self, layer: int) -> tuple[SlotMap, list[int]] | None:
+        """Each of ``layer``'s experts' slot when every one is ready in a slot (``SlotMap``: the first slot
+        of a consecutive run, else a device tensor; and as a list); None otherwise. Rebuilt only when the
+        residency changed."""
         cached = self._maps.get(layer)
         if cached is not None and cached[0] == self.pool.version:
             return cached[1]
         slots = self.pool.layer_slots(layer, self.store.num_experts)
-        found = None if slots is None else (torch.tensor(slots, device=self.pool.device), slots)
+        found = None if slots is None else (slot_map(slots, self.pool.device), slots)
         self._maps[layer] = (self.pool.version, found)
         return found
 
     def _all_resident(
         self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-        residual: torch.Tensor | None, resident: tuple[torch.Tensor, list[int]],
+        residual: torch.Tensor | None, resident: tuple[SlotMap, list[int]],
     ) -> torch.Tensor:
         """A layer whose every expert is ready in a slot: grouped calls sorted on the device, no read;
         the routing's bookkeeping (counters, trace, policy, the clock's expert time) follows when the
@@ -216,12 +219,18 @@ class OffloadedExperts:
 
     def resident_experts(
         self, module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-        residual: torch.Tensor | None, slot_map: torch.Tensor,
+        residual: torch.Tensor | None, slots: SlotMap,
     ) -> torch.Tensor:
-        """A fully resident layer's experts from their slots (``slot_map``: ``resident_map``'s tensor, or
-        a copy of it a CUDA graph holds): a fixed sequence of ops, no read, nothing the host keeps."""
+        """A fully resident layer's experts from their slots (``slots``: ``resident_map``'s ``SlotMap``, or a
+        copy of it a CUDA graph holds): a fixed sequence of ops, no read, nothing the host keeps. Experts
+        in consecutive slots (all resident, ``initial_slots``' layout) are computed over that run of the
+        pool, which needs no map: the expert's id is its slot there."""
         gate_up, down = self.pool.shape.split_rows(self.pool.storage)
-        return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slot_map)
+        if isinstance(slots, int):
+            run = slice(slots, slots + self.store.num_experts)
+            return resident_experts(hidden, top_k_index, top_k_weights, gate_up[run], down[run], module.act_fn,
+                                    residual)
+        return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slots)
 
     def planned_pairs(self, module: Any, hidden: torch.Tensor, plan: torch.Tensor, out: torch.Tensor) -> None:
         """The pairs a padded ``PairOutputs.plan`` names, from their slots into ``out`` (``(T·k + 1, H)``,
@@ -432,16 +441,34 @@ def drop_queued(pool: SlotPool, link: Link, key: Key) -> bool:
 
 def initial_slots(pool: SlotPool, layers: list[int], num_experts: int) -> list[tuple[Key, int]]:
     """Claim the initial residency in ``pool``'s empty slots, round-robin over layers (expert 0 of
-    every layer, then 1, …); returns the (expert, slot) pairs whose bytes the caller puts there."""
-    claimed: list[tuple[Key, int]] = []
+    every layer, then 1, …: the order they are claimed in, which is their first recency); returns the
+    (expert, slot) pairs whose bytes the caller puts there. Each slot group's chosen experts take its
+    empty slots in (layer, expert) order, so a layer whose experts all fit sits in consecutive slots
+    (``SlotMap``)."""
+    room = {group: sum(pool.owner[s] is None for s in slots) for group, slots in pool.group_slots.items()}
+    chosen: list[Key] = []
     for key in [(layer, e) for e in range(num_experts) for layer in layers]:
-        if pool.holds(key):
-            continue
-        free = pool.empty_slot(key[0])
-        if free is not None:
-            pool.claim(key, free)
-            claimed.append((key, free))
-    return claimed
+        group = pool.group_of(key[0])
+        if not pool.holds(key) and room.get(group, 0) > 0:
+            room[group] -= 1
+            chosen.append(key)
+    slot_of: dict[Key, int] = {}
+    for group, slots in pool.group_slots.items():
+        free = [s for s in slots if pool.owner[s] is None]
+        mine = sorted(k for k in chosen if pool.group_of(k[0]) == group)
+        slot_of.update(zip(mine, free[: len(mine)], strict=True))
+    for key in chosen:
+        pool.claim(key, slot_of[key])
+    return [(key, slot_of[key]) for key in chosen]
+
+
+def slot_map(slots: list[int], device: torch.device) -> SlotMap:
+    """``slots`` (each expert's slot) as the resident path takes them: the first slot where they run
+    consecutively (no map needed), else a tensor on ``device``."""
+    first = slots[0] if slots else 0
+    if slots and slots == list(range(first, first + len(slots))):
+        return first
+    return torch.tensor(slots, device=device)
 
 
 def default_host(link: Link, shape: ExpertShape, on_cuda: bool, clock: WallClock) -> HostCompute | None:

@@ -67,6 +67,8 @@ class LeanStep:
         self.layers = list(self.inner.layers)
         self.fused = [_Fused(layer) for layer in self.layers] if fused else None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # ``rotation``'s rows, made once
+        self._turn: tuple[torch.Tensor, torch.Tensor] | None = None  # ``turn_at``'s table and the cos it was made of
+        self._constants: tuple[torch.Tensor, torch.Tensor] | None = None  # ``_turn_constants``
 
     def routing(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Fused only: layer → (top-k ids, their router probabilities) of the latest step, on the device."""
@@ -174,18 +176,50 @@ class LeanStep:
         cos, sin = self._rotation_table(start + tokens, weight)
         return cos[..., start : start + tokens, :], sin[..., start : start + tokens, :]
 
-    def rotation_at(self, positions: torch.Tensor, capacity: int, like: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rotary``'s cos and sin at ``positions`` (T,) held on the device, all below ``capacity``: rows of
-        the table (two gathers: a graphed step's positions are the device's, so it cannot slice them;
-        ``rotary`` issues some fifteen kernels in a bf16 step). The table is kept as long as the last one
-        made covers ``capacity`` (a graph captured over it holds it by ``p.table``: ``GraphedStep``); a
-        RoPE that changes with the positions seen is computed each step."""
+    def turn_at(self, positions: torch.Tensor, capacity: int, like: torch.Tensor) -> torch.Tensor:
+        """The graphed step's rotation at ``positions`` (T,) held on the device, all below ``capacity``:
+        ``(heads, T, 2d)``, each head's row ``[cos | signed sin]`` at each position for the query and key
+        heads of the fused q/k/v projection and ``[1 | 0]`` for its value heads, which the rotation
+        then leaves as they are (``_Fused.static_attention``: x·1 + y·0). Two kernels a step: a gather
+        of the positions' rows from a table that covers the cache (a graphed step's positions are the
+        device's, so it cannot slice them; ``rotary`` issues some fifteen kernels in a bf16 step) and a
+        ``where`` that gives the value heads their rows. The table is kept as long as the last one made
+        covers ``capacity`` (a graph captured over it holds it by ``_Pieces.table``); a RoPE that changes
+        with the positions seen is computed each step."""
+        assert self.fused is not None
+        fused = self.fused[0]
         rope = getattr(self.inner.rotary_emb, "rope_type", "default")
         if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
-            return self.rotary(like, positions[None])
-        cos, sin = self._rotation_table(capacity, like)
-        return cos.index_select(2, positions), sin.index_select(2, positions)
+            cos, sin = self.rotary(like, positions[None])
+            rows = torch.cat((cos, sin), dim=-1)[0, 0]
+        else:
+            rows = self._turn_table(capacity, like).index_select(0, positions)
+        keep, values = self._turn_constants(like, fused.q_heads + fused.kv_heads, fused.kv_heads, rows.shape[-1])
+        return torch.where(values, keep, rows)
+
+    def turn_table(self) -> torch.Tensor | None:
+        """The table ``turn_at`` gathers from (None until made)."""
+        return None if self._turn is None else self._turn[0]
+
+    def _turn_table(self, positions: int, like: torch.Tensor) -> torch.Tensor:
+        """``[cos | signed sin]`` rows ``(positions, 2d)`` of ``_rotation_table``, remade with it."""
+        cos, sin = self._rotation_table(positions, like)
+        if self._turn is None or self._turn[1] is not cos:
+            self._turn = (torch.cat((cos, sin), dim=-1)[0, 0], cos)
+        return self._turn[0]
+
+    def _turn_constants(self, like: torch.Tensor, rotated: int, kept: int, width: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1 | 0]`` (width,) in ``like``'s dtype and which heads are value heads ``(heads, 1, 1)``, made
+        once per dtype and device (outside any capture: a warm-up makes them)."""
+        found = self._constants
+        if found is None or found[0].dtype != like.dtype or found[0].device != like.device:
+            half = width // 2
+            keep = torch.cat((torch.ones(half, dtype=like.dtype, device=like.device),
+                              torch.zeros(half, dtype=like.dtype, device=like.device)))
+            values = (torch.arange(rotated + kept, device=like.device) >= rotated)[:, None, None]
+            found = self._constants = (keep, values)
+        return found
 
     def _rotation_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary`` at positions 0 to at least ``positions`` in ``like``'s dtype and device, made by one call
@@ -273,6 +307,14 @@ def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
     return fused
 
 
+def _projected(attention: Any, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual`` plus the output projection of the heads' ``out`` (T, H·d): the sum inside the matmul."""
+    tokens = out.shape[0]
+    if attention.o_proj.bias is not None:
+        return residual + F.linear(out, attention.o_proj.weight, attention.o_proj.bias).view(residual.shape)
+    return torch.addmm(residual.view(tokens, -1), out, attention.o_proj.weight.t()).view(residual.shape)
+
+
 class _Fused:
     """One layer's fused projections (``LeanStep(fused=True)``)."""
 
@@ -283,6 +325,7 @@ class _Fused:
         projections = [attention.q_proj, attention.k_proj, attention.v_proj]
         self.qkv = (_fuse(projections, "weight"), _fuse(projections, "bias"))
         self.qk_norm: tuple[torch.Tensor, float] | None = None
+        self._halves: torch.Tensor | None = None  # ``static_attention``'s gather: each head's ``[x | roll(x)]``
         if hasattr(attention, "q_norm"):
             q_norm, k_norm = attention.q_norm, attention.k_norm
             weight = torch.cat([q_norm.weight.detach().expand(self.q_heads, -1),
@@ -329,15 +372,39 @@ class _Fused:
             out = self._per_sequence(attention, qk, v.transpose(1, 2), segments).reshape(tokens, -1)
         else:
             k, v = cache.update(qk[:, self.q_heads :], v.transpose(1, 2), attention.layer_idx)
-            if getattr(cache, "static", False) and mask is not None:  # a graphed piece: an additive bias (G·T, S)
-                out = masked_attention(qk[:, : self.q_heads], k, v, mask, attention.scaling)
-            else:
-                out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
-                                                scaling=attention.scaling)
+            out, _ = sdpa_attention_forward(attention, qk[:, : self.q_heads], k, v, mask, dropout=0.0,
+                                            scaling=attention.scaling)
             out = out.reshape(tokens, -1)
-        if attention.o_proj.bias is not None:
-            return residual + F.linear(out, attention.o_proj.weight, attention.o_proj.bias).view(residual.shape)
-        return torch.addmm(residual.view(tokens, -1), out, attention.o_proj.weight.t()).view(residual.shape)
+        return _projected(attention, out, residual)
+
+    def static_attention(self, attention: Any, x: torch.Tensor, turn: torch.Tensor, mask: torch.Tensor,
+                         cache: Any, residual: torch.Tensor) -> torch.Tensor:
+        """``attention`` for a graphed piece over a ``StaticKV`` (``models/graphed.py``): ``residual`` plus
+        the attention block's output. ``turn``: ``LeanStep.turn_at``'s ``(heads, T, 2d)`` rows; ``mask``:
+        the additive bias ``masked_attention`` takes.
+
+        The rotation runs on all of the fused projection's heads at once: each head's ``[x | roll(x)]``
+        (one gather), times its ``[cos | signed sin]`` row (one product), the two halves summed (one
+        reduction) — transformers' ``x·cos + rotate_half(x)·sin``, each product rounded and then their
+        sum, as its three ops and a ``cat`` do; the value heads' rows ``[1 | 0]`` leave them as they are.
+        So the new keys and values come out side by side and are written to the cache in one copy
+        (``StaticKV.write``): three kernels and one write where the rotation of q and k took four and
+        the cache two."""
+        tokens, dim = x.shape[1], attention.head_dim
+        weight, bias = self.qkv
+        assert weight is not None
+        qkv = F.linear(x, weight, bias).view(1, tokens, -1, dim)
+        if self.qk_norm is not None:  # qwen3_moe: per head, before the rotation
+            split = self.q_heads + self.kv_heads
+            qkv = torch.cat((_rms_weight(qkv[:, :, :split], *self.qk_norm), qkv[:, :, split:]), dim=2)
+        if self._halves is None or self._halves.device != qkv.device:  # made by a warm-up, before any capture
+            ids = torch.arange(dim, device=qkv.device)
+            self._halves = torch.cat((ids, ids.roll(dim // 2)))
+        heads = qkv.shape[2]
+        turned = (qkv.transpose(1, 2)[..., self._halves] * turn).view(1, heads, tokens, 2, dim).sum(dim=-2)
+        k, v = cache.write(turned[:, self.q_heads :], attention.layer_idx)
+        out = masked_attention(turned[:, : self.q_heads], k, v, mask, attention.scaling).reshape(tokens, -1)
+        return _projected(attention, out, residual)
 
     def _per_sequence(self, attention: Any, qk: torch.Tensor, v: torch.Tensor,
                       segments: list[tuple[Any, torch.Tensor | None, int]]) -> torch.Tensor:

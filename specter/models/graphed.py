@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from specter.experts.executor import slot_map
 from specter.experts.grouped import plan_of, weighted_sum
 from specter.models.decode import _experts_with_residual, _rms
 from specter.models.routing import Routing
@@ -83,6 +84,9 @@ def resolve_step(step: str, device: torch.device, unsupported: str | None) -> st
 class StaticKV:
     """A KV cache of fixed capacity (doubling when outgrown) for ``GraphedStep``'s pieces.
 
+    Each layer's keys and values are one buffer ``(1, 2·H_kv, capacity, d)``, the keys' heads first, so
+    a step whose new keys and values come out side by side writes both in one copy (``write``).
+
     Attributes:
         length: positions held (host).
         position: ``(1,)`` the position the static step writes next (device). A step moves it on by its
@@ -96,10 +100,10 @@ class StaticKV:
                  capacity: int = 256):
         if capacity < 1:
             raise ValueError(f"capacity: expected at least 1 position, got {capacity}")
-        self.shape = (1, kv_heads, capacity, head_dim)
+        self.shape = (1, 2 * kv_heads, capacity, head_dim)
+        self.kv_heads = kv_heads
         self.dtype, self.device = dtype, torch.device(device)
-        self.keys = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.buffers = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(layers)]
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.slots = torch.arange(capacity, device=device)
         self.length = 0
@@ -142,35 +146,35 @@ class StaticKV:
         while capacity < length:
             capacity *= 2
         self.shape = (*self.shape[:2], capacity, self.shape[3])
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                buffers[i] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-                buffers[i][:, :, : self.length] = old[:, :, : self.length]
+        for i, old in enumerate(self.buffers):
+            self.buffers[i] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.buffers[i][:, :, : self.length] = old[:, :, : self.length]
         self.slots = torch.arange(capacity, device=self.device)
         self.version += 1
 
-    static = True  # the fused attention's cue: attend over the whole capacity, masked by an additive bias
+    def write(self, keys_values: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new keys and values side by side ``(1, 2·H_kv, T, d)`` at ``write_at`` (one copy);
+        return the whole capacity's keys and values."""
+        self.buffers[layer_idx].index_copy_(2, self.write_at, keys_values)
+        return self.keys_values(layer_idx)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a layer's new keys and values ``(1, heads, T, d)`` at ``write_at``; return the whole
-        capacity (the step's mask hides the slots past its positions)."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.write_at, key)
-        values.index_copy_(2, self.write_at, value)
-        return keys, values
+    def keys_values(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values ``(1, H_kv, capacity, d)`` each: views of its buffer."""
+        held = self.buffers[layer_idx]
+        return held[:, : self.kv_heads], held[:, self.kv_heads :]
 
     def absorb(self, cache: DynamicCache) -> None:
         """Take a ``DynamicCache``'s positions (the prompt's, from transformers' forward)."""
         length = cache.get_seq_length()
-        if len(cache.layers) != len(self.keys):
-            raise ValueError(f"cache: {len(cache.layers)} layers, this static cache has {len(self.keys)}")
+        if len(cache.layers) != len(self.buffers):
+            raise ValueError(f"cache: {len(cache.layers)} layers, this static cache has {len(self.buffers)}")
         self.length = 0
         self.reserve(length)
         for i, layer in enumerate(cache.layers):
             held: Any = layer  # a full-attention layer (DynamicLayer): keys and values tensors
-            self.keys[i][:, :, :length] = held.keys
-            self.values[i][:, :, :length] = held.values
+            keys, values = self.keys_values(i)
+            keys[:, :, :length] = held.keys
+            values[:, :, :length] = held.values
         self.length = length
 
 
@@ -179,7 +183,7 @@ class _Pieces:
 
     def __init__(self, tokens: int, device: torch.device, slots: tuple[tuple[int, ...], ...] | None = None):
         self.slots = slots  # a whole step's: each split layer's expert → slot (None: the pieces are cut there)
-        self.maps = [torch.tensor(s, device=device) for s in slots or ()]  # the same on the device (the graph's)
+        self.maps = [slot_map(list(s), device) for s in slots or ()]  # the same as the graph takes them
         # cut pieces whose split layers' experts in slots are computed by graphs too (``GraphedStep.slot_graphs``),
         # per split: the plan the graph reads (``PairOutputs.plan``, padded), the pair outputs, the graph
         self.inside = False
@@ -190,8 +194,8 @@ class _Pieces:
         self.steps = torch.arange(tokens, device=device)
         self.moe: list[torch.Tensor] = []  # per split: the experts' output (residual in it), copied in
         self.routes: list[tuple[torch.Tensor, ...]] = []  # per split: rows, ids, weights, residual, projection
-        self.positions = self.mask = self.cos = self.sin = self.logits = torch.empty(0)
-        self.table: Any = None  # the rotation table the step's cos and sin are gathered from
+        self.positions = self.mask = self.turn = self.logits = torch.empty(0)
+        self.table: Any = None  # the rotation table the step's ``turn`` is gathered from
         self.graphs: list[Any] = []
         self.routing: list[Any] = []  # each fused layer's routing tensors as the graphs left them
         self.version = -1
@@ -457,8 +461,8 @@ class GraphedStep:
                 bias = torch.where(ahead, *self._bias_values(hidden))  # -inf where a key is ahead, else 0
                 # a row per (query head of a key head's group, token); one token's row broadcasts over them
                 p.mask = bias if ahead.shape[0] == 1 else bias.repeat(self.groups, 1)
-                p.cos, p.sin = lean.rotation_at(p.positions, self.cache.capacity, hidden)
-                p.table = lean._table  # the rows' table, alive as long as a graph that reads it
+                p.turn = lean.turn_at(p.positions, self.cache.capacity, hidden)
+                p.table = lean.turn_table()  # the rows' table, alive as long as a graph that reads it
             start = 0
         else:
             layer = self.splits[i - 1]
@@ -473,7 +477,7 @@ class GraphedStep:
         for j in range(start, len(lean.layers)):
             layer, fused = lean.layers[j], lean.fused[j]
             x = _rms(layer.input_layernorm, hidden)
-            hidden = fused.attention(layer.self_attn, x, p.cos, p.sin, p.mask, self.cache, hidden)
+            hidden = fused.static_attention(layer.self_attn, x, p.turn, p.mask, self.cache, hidden)
             x = _rms(layer.post_attention_layernorm, hidden)
             if j in self.splits:
                 flat, ids, weights, projected = fused.route(x)

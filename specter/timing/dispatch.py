@@ -196,7 +196,8 @@ def replay(per_step: bool = False) -> Iterator[None]:
 
 class DispatchCount(TorchDispatchMode):
     """Counts ops that reach a kernel (``ops``), implicit syncs (``syncs``) and reads of tensor values
-    into Python (``reads``) while active; ``by_name`` breaks the ops down by aten name."""
+    into Python (``reads``) while active; ``by_name`` breaks the ops down by aten name, ``kernels_by_name``
+    the kernels (a replay's too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,6 +208,7 @@ class DispatchCount(TorchDispatchMode):
         # of those, issued inside ``once_per_step``: the step's own, not its layers'
         self.step_ops = self.step_kernels = self.step_reads = 0
         self.by_name: dict[str, int] = {}
+        self.kernels_by_name: dict[str, int] = {}
 
     def __enter__(self) -> DispatchCount:
         if not _ACTIVE:
@@ -233,6 +235,7 @@ class DispatchCount(TorchDispatchMode):
         if not (name in _FREE or func.is_view and not _copied(args, out)):
             self.kernels += 1
             self.step_kernels += once
+            self.kernels_by_name[name] = self.kernels_by_name.get(name, 0) + 1
             if not _REPLAYING[0]:
                 self.ops += 1
                 self.step_ops += once

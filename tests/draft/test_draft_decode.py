@@ -131,16 +131,18 @@ def test_a_static_cache_crops_as_a_dynamic_cache_does() -> None:
 
     static, dynamic = StaticKV(2, 1, 4, torch.float32, torch.device("cpu"), capacity=2), DynamicCache()
     for _ in range(3):
-        kv = torch.randn(1, 1, 2, 4)
         for layer in range(2):
-            dynamic.update(kv, kv, layer)
+            dynamic.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), layer)
     static.absorb(dynamic)  # 6 positions into a capacity of 2: it doubles, keeping them
     assert static.capacity == 8
     for cut in (-1, 0, -2):
         static.crop(cut)
         dynamic.crop(cut)
         assert static.get_seq_length() == dynamic.get_seq_length()
-        torch.testing.assert_close(static.keys[0][:, :, : static.length], dynamic.layers[0].keys)
+        for layer in range(2):
+            keys, values = static.keys_values(layer)  # one buffer a layer: keys' heads, then values'
+            torch.testing.assert_close(keys[:, :, : static.length], dynamic.layers[layer].keys)
+            torch.testing.assert_close(values[:, :, : static.length], dynamic.layers[layer].values)
     with pytest.raises(ValueError, match="tokens_to_remove"):
         static.crop(-4)
     with pytest.raises(ValueError, match="tokens_to_remove"):

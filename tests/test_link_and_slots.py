@@ -253,6 +253,9 @@ def test_initial_slots_claim_round_robin_and_lay_each_layer_out_in_consecutive_s
     for layer in whole:
         slots = pool.layer_slots(layer, experts)
         assert slots is not None and slots == list(range(slots[0], slots[0] + experts))
-        assert slot_map(slots, pool.device) == slots[0]
-    scattered = slot_map([3, 1, 2], pool.device)  # not consecutive: a map on the device
+        assert slot_map(slots, pool.device, shape.nbytes) == slots[0]
+    scattered = slot_map([3, 1, 2], pool.device, shape.nbytes)  # not consecutive: a map on the device
     assert isinstance(scattered, torch.Tensor) and scattered.tolist() == [3, 1, 2]
+    unaligned = slot_map([1, 2, 3], pool.device, 36)  # a run starting 36 bytes in: a map, as a GPU's kernel needs
+    assert isinstance(unaligned, torch.Tensor) and unaligned.tolist() == [1, 2, 3]
+    assert slot_map([4, 5, 6], pool.device, 36) == 4

@@ -200,7 +200,7 @@ class OffloadedExperts:
         if cached is not None and cached[0] == self.pool.version:
             return cached[1]
         slots = self.pool.layer_slots(layer, self.store.num_experts)
-        found = None if slots is None else (slot_map(slots, self.pool.device), slots)
+        found = None if slots is None else (slot_map(slots, self.pool.device, self.pool.shape.nbytes), slots)
         self._maps[layer] = (self.pool.version, found)
         return found
 
@@ -462,11 +462,12 @@ def initial_slots(pool: SlotPool, layers: list[int], num_experts: int) -> list[t
     return [(key, slot_of[key]) for key in chosen]
 
 
-def slot_map(slots: list[int], device: torch.device) -> SlotMap:
+def slot_map(slots: list[int], device: torch.device, blob_bytes: int) -> SlotMap:
     """``slots`` (each expert's slot) as the resident path takes them: the first slot where they run
-    consecutively (no map needed), else a tensor on ``device``."""
+    consecutively and the run starts on a 16-byte boundary of the pool (``blob_bytes`` a slot: what a
+    GPU's grouped kernel takes), no map needed; else a tensor on ``device``."""
     first = slots[0] if slots else 0
-    if slots and slots == list(range(first, first + len(slots))):
+    if slots and slots == list(range(first, first + len(slots))) and first * blob_bytes % 16 == 0:
         return first
     return torch.tensor(slots, device=device)
 

@@ -181,9 +181,10 @@ class StaticKV:
 class _Pieces:
     """One token count's pieces: static inputs, what each piece leaves for the next, their graphs."""
 
-    def __init__(self, tokens: int, device: torch.device, slots: tuple[tuple[int, ...], ...] | None = None):
+    def __init__(self, tokens: int, device: torch.device, slots: tuple[tuple[int, ...], ...] | None = None,
+                 blob_bytes: int = 0):
         self.slots = slots  # a whole step's: each split layer's expert → slot (None: the pieces are cut there)
-        self.maps = [slot_map(list(s), device) for s in slots or ()]  # the same as the graph takes them
+        self.maps = [slot_map(list(s), device, blob_bytes) for s in slots or ()]  # the same as the graph takes them
         # cut pieces whose split layers' experts in slots are computed by graphs too (``GraphedStep.slot_graphs``),
         # per split: the plan the graph reads (``PairOutputs.plan``, padded), the pair outputs, the graph
         self.inside = False
@@ -311,7 +312,8 @@ class GraphedStep:
             return pieces
         pieces = self.whole.get(tokens)
         if pieces is None or pieces.slots != slots:
-            pieces = self.whole[tokens] = _Pieces(tokens, self.cache.device, slots)
+            blob = self._runners()[0][0].pool.shape.nbytes
+            pieces = self.whole[tokens] = _Pieces(tokens, self.cache.device, slots, blob)
         return pieces
 
     def _inside(self, p: _Pieces, tokens: int, runners: list[tuple[Any, int, Any]]) -> None:

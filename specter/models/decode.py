@@ -384,7 +384,7 @@ class _Fused:
         the additive bias ``masked_attention`` takes.
 
         The rotation runs on all of the fused projection's heads at once: each head's ``[x | roll(x)]``
-        (one gather), times its ``[cos | signed sin]`` row (one product), the two halves summed (one
+        (one ``index_select``), times its ``[cos | signed sin]`` row (one product), the two halves summed (one
         reduction) — transformers' ``x·cos + rotate_half(x)·sin``, each product rounded and then their
         sum, as its three ops and a ``cat`` do; the value heads' rows ``[1 | 0]`` leave them as they are.
         So the new keys and values come out side by side and are written to the cache in one copy
@@ -401,7 +401,10 @@ class _Fused:
             ids = torch.arange(dim, device=qkv.device)
             self._halves = torch.cat((ids, ids.roll(dim // 2)))
         heads = qkv.shape[2]
-        turned = (qkv.transpose(1, 2)[..., self._halves] * turn).view(1, heads, tokens, 2, dim).sum(dim=-2)
+        # ``index_select`` lays its output out head by head whatever the input's layout (an indexing follows
+        # the input's token-major one): the query heads reshape for attention without a copy when T > 1
+        halves = torch.index_select(qkv.transpose(1, 2), -1, self._halves)
+        turned = (halves * turn).view(1, heads, tokens, 2, dim).sum(dim=-2)
         k, v = cache.write(turned[:, self.q_heads :], attention.layer_idx)
         out = masked_attention(turned[:, : self.q_heads], k, v, mask, attention.scaling).reshape(tokens, -1)
         return _projected(attention, out, residual)

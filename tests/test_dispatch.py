@@ -232,8 +232,8 @@ def test_each_warm_up_writes_from_the_cache_length_not_from_where_the_last_one_l
 def test_a_resident_graphed_step_gathers_no_slot_per_pair_and_writes_each_layers_cache_once(held_out):
     """All experts resident in the consecutive slots ``initial_slots`` lays out: the whole graphed step's
     experts run over each layer's run of the pool with no slot-map gather, so its only gather a layer is
-    the rotation's; each layer writes its keys and values in one copy and rolls nothing. The tokens are
-    the eager step's."""
+    the rotation's; each layer writes its keys and values in one copy and rolls nothing; a one-token
+    step's position is the cache's own, not a sum made for it. The tokens are the eager step's."""
     model, _ = held_out
     runs = {}
     for step in ("eager", "static"):
@@ -255,6 +255,7 @@ def test_a_resident_graphed_step_gathers_no_slot_per_pair_and_writes_each_layers
     # a gather a layer (the rotation's) and one a step (its rows from the table): none through a slot map
     assert per.get("index", 0) == 0 and per.get("index_select", 0) == 1 + 1 / layers, per
     assert per.get("index_copy_", 0) == 1 and per.get("roll", 0) == 0, per
+    assert per.get("add", 0) == 0, per  # one token's position is the cache's own: no add for it
     assert runs["static"] == runs["eager"]
 
 

@@ -457,7 +457,9 @@ class GraphedStep:
         lean = self.lean
         if i == 0:
             with once_per_step:
-                p.positions = self.cache.position + p.steps
+                # one token's position is the cache's own (moved on only at the step's end, after every write);
+                # several tokens' are it plus 0, 1, …
+                p.positions = self.cache.position if p.ids.shape[1] == 1 else self.cache.position + p.steps
                 ahead = self.cache.slots[None, :] > p.positions[:, None]  # keys not yet written (or dropped)
                 hidden = lean.inner.embed_tokens(p.ids)
                 bias = torch.where(ahead, *self._bias_values(hidden))  # -inf where a key is ahead, else 0

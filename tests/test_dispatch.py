@@ -237,11 +237,49 @@ def test_each_warm_up_writes_from_the_cache_length_not_from_where_the_last_one_l
     assert tokens["static"] == tokens["eager"]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_tokens_moe_input_is_the_norm_written_once_per_pair(tiny_dir, family, dtype):
+    """For one token whose experts run on a runner that takes pair rows, the MoE block's input is the
+    post-attention norm written k times by the norm's own kernels: each row is transformers' RMSNorm
+    module's output for the token, bit for bit, and the router's input is the first row. Several tokens,
+    or a runner that does not take rows, get the norm alone."""
+    from types import SimpleNamespace
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir(family), experts_implementation="eager",
+                                                 dtype=dtype).eval()
+    lean = LeanStep.for_model(model, family, fused=True)
+    assert lean is not None and lean.fused is not None
+    index = next(i for i, f in enumerate(lean.fused) if f.routed)  # qwen2_moe's tiny model starts dense
+    layer, fused = model.model.layers[index], lean.fused[index]
+    norm, experts = layer.post_attention_layernorm, layer.mlp.experts
+    generator = torch.Generator().manual_seed(5)
+    one = torch.randn(1, 1, model.config.hidden_size, generator=generator).to(dtype)
+    three = torch.randn(1, 3, model.config.hidden_size, generator=generator).to(dtype)
+    with torch.inference_mode():
+        assert fused.moe_input(layer.mlp, norm, one)[1] is None  # transformers' own experts: no runner
+        experts.__dict__["_specter_runner"] = SimpleNamespace(takes_rows=True)
+        try:
+            with DispatchCount() as counted:
+                x, rows = fused.moe_input(layer.mlp, norm, one)
+            _, none = fused.moe_input(layer.mlp, norm, three)
+            want = norm(one)
+        finally:
+            del experts.__dict__["_specter_runner"]
+    assert none is None and rows is not None and rows.shape == (fused.top_k, model.config.hidden_size)
+    assert rows.is_contiguous() and counted.kernels == 2, counted.kernels_by_name
+    for row in rows:
+        assert torch.equal(row, want[0, 0])
+    assert torch.equal(x, want) and x.data_ptr() == rows.data_ptr()
+
+
 def test_a_resident_graphed_step_gathers_no_slot_per_pair_and_writes_each_layers_cache_once(held_out):
     """All experts resident in the consecutive slots ``initial_slots`` lays out: the whole graphed step's
     experts run over each layer's run of the pool with no slot-map gather, so its only gather a layer is
     the rotation's; each layer writes its keys and values in one copy and rolls nothing; a one-token
-    step's position is the cache's own, not a sum made for it. The tokens are the eager step's."""
+    step's position is the cache's own, not a sum made for it; its experts' pair rows are the norm's
+    output (``_Fused.moe_input``), not a copy of the token's row, in the eager step too. The tokens are
+    the eager step's."""
     runs = _resident_decoding(held_out[0])
     _, (short, long), layers = runs["static"]
     per = {name: (n - short.kernels_by_name.get(name, 0)) / (8 * layers) for name, n in long.kernels_by_name.items()}
@@ -249,6 +287,10 @@ def test_a_resident_graphed_step_gathers_no_slot_per_pair_and_writes_each_layers
     assert per.get("index", 0) == 0 and per.get("index_select", 0) == 1 + 1 / layers, per
     assert per.get("index_copy_", 0) == 1 and per.get("roll", 0) == 0, per
     assert per.get("add", 0) == 0, per  # one token's position is the cache's own: no add for it
+    for step in ("static", "eager"):
+        _, (short, long), _ = runs[step]
+        copies = {n: long.kernels_by_name.get(n, 0) - short.kernels_by_name.get(n, 0) for n in ("contiguous", "clone")}
+        assert copies == {"contiguous": 0, "clone": 0}, (step, copies)
     assert runs["static"][0] == runs["eager"][0]
 
 

@@ -161,6 +161,36 @@ def test_resident_experts_equal_the_eager_loop_and_one_token_gathers_no_rows(tok
     assert ("div" in counted.by_name) == (tokens > 1), counted.by_name
 
 
+def test_one_tokens_pair_rows_given_are_taken_as_they_are_and_checked():
+    """A one-token layer whose pair rows the caller made (``_Fused.moe_input``: the norm's output, the
+    token's row k times) is the layer computed from the token alone, bit for bit, with no copy of the
+    row; rows of another shape, or rows for several tokens, are refused by name."""
+    experts, top_k = 12, 3
+    module = _experts(experts, 16, 12, seed=3)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 16, generator=generator)
+    weights, index = torch.rand(1, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    residual = torch.randn(1, 16, generator=generator)
+    storage, shape = _pool(module, {e: e for e in range(experts)}, experts)
+    gate_up, down = shape.split_rows(storage)
+    with torch.inference_mode():
+        alone = resident_experts(hidden, index, weights, gate_up, down, module.act_fn, residual)
+        rows = torch.cat([hidden] * top_k)  # what the norm writes: the row k times, contiguous
+        with DispatchCount() as counted:
+            given = resident_experts(hidden, index, weights, gate_up, down, module.act_fn, residual, rows=rows)
+        with DispatchCount() as copied:
+            resident_experts(hidden, index, weights, gate_up, down, module.act_fn, residual)
+        assert torch.equal(given, alone)
+        assert counted.kernels == copied.kernels - 1 and "contiguous" not in counted.kernels_by_name, (
+            counted.kernels_by_name, copied.kernels_by_name)
+        with pytest.raises(ValueError, match=r"rows: one token's 3 pair rows of 16 expected, got \(2, 16\)"):
+            resident_experts(hidden, index, weights, gate_up, down, module.act_fn, residual, rows=rows[:2])
+        two = torch.randn(2, 16)
+        with pytest.raises(ValueError, match=r"rows: .* for 2 tokens"):
+            resident_experts(two, index.expand(2, -1), weights.expand(2, -1), gate_up, down, module.act_fn,
+                             rows=torch.cat([two] * 3))
+
+
 def test_grouped_linear_fallback_equals_the_grouped_kernel():
     """The loop-free fallback (per-row gathered weights, one ``bmm``) computes what ``grouped_mm`` does."""
     weights = torch.randn(5, 7, 4)

@@ -52,6 +52,8 @@ class DraftExperts:
     contiguous slice of rows, summed in ascending id order as transformers' loop does.
     """
 
+    takes_rows = True  # ``forward`` takes one token's pair rows made by the caller (``_Fused.moe_input``)
+
     def __init__(self, kernels: ExpertKernels, grouped: bool = True):
         self.kernels = kernels
         self.grouped = grouped  # False: always the per-expert loop (bit for bit transformers' sums)
@@ -64,12 +66,14 @@ class DraftExperts:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         residual: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every token's k experts with the draft's quantized weights, weighted and summed (plus
-        ``residual`` when given)."""
+        ``residual`` when given). ``rows``: one token's pair rows, made already (used by the stacked
+        experts' grouped calls: ``grouped.resident_experts``)."""
         stacked = self.kernels.stacked.get(layer) if self.grouped else None
         if stacked is not None:
-            return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn, residual)
+            return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn, residual, rows=rows)
         gathered = self.kernels.gathered.get(layer) if self.grouped else None
         if gathered is not None and top_k_index.numel() <= gathered.max_pairs:  # a step: no read
             return gathered(hidden, top_k_index, top_k_weights, module.act_fn, residual)

@@ -44,6 +44,8 @@ SlotMap = torch.Tensor | int  # a layer's experts' slots: a device tensor, or th
 class OffloadedExperts:
     """The target's routed experts: host store + device slots + link + policy, on one clock."""
 
+    takes_rows = True  # ``forward`` takes one token's pair rows made by the caller (``_Fused.moe_input``)
+
     def __init__(
         self, store: ExpertStore, pool: SlotPool, link: Link, policy: Policy, timeout: float = 60.0,
         clock: WallClock | None = None,
@@ -122,14 +124,15 @@ class OffloadedExperts:
     # -- one MoE layer --------------------------------------------------------------------
     def forward(
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor, residual: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor, residual: torch.Tensor | None = None, rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """transformers' eager experts loop's result, with experts taken from slots in grouped calls
         (``specter/experts/grouped.py``) or, for late ones when the policy allows it, computed on
-        the host from their blobs; plus ``residual`` when given (the lean step's)."""
+        the host from their blobs; plus ``residual`` when given (the lean step's). ``rows``: one token's
+        pair rows, made already (``grouped.resident_experts``; used where the layer is all resident)."""
         resident = self.resident_map(layer)
         if resident is not None:  # nothing to fetch: the host need not know the routing yet
-            return self._all_resident(module, layer, hidden, top_k_index, top_k_weights, residual, resident)
+            return self._all_resident(module, layer, hidden, top_k_index, top_k_weights, residual, resident, rows)
         return self._layer(module, layer, hidden, top_k_index, top_k_weights).total(residual)
 
     def finish_layer(
@@ -206,31 +209,32 @@ class OffloadedExperts:
 
     def _all_resident(
         self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-        residual: torch.Tensor | None, resident: tuple[SlotMap, list[int]],
+        residual: torch.Tensor | None, resident: tuple[SlotMap, list[int]], rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A layer whose every expert is ready in a slot: grouped calls sorted on the device, no read;
         the routing's bookkeeping (counters, trace, policy, the clock's expert time) follows when the
         next read brings it (``timing/dispatch.py: defer_read``)."""
         self.counters.layers += 1
         dense_s = self.clock.charge_dense(hidden.shape[0], self.context)
-        out = self.resident_experts(module, hidden, top_k_index, top_k_weights, residual, resident[0])
+        out = self.resident_experts(module, hidden, top_k_index, top_k_weights, residual, resident[0], rows)
         self.resident_done(layer, hidden, top_k_index, resident[1], dense_s=dense_s)
         return out
 
     def resident_experts(
         self, module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-        residual: torch.Tensor | None, slots: SlotMap,
+        residual: torch.Tensor | None, slots: SlotMap, rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A fully resident layer's experts from their slots (``slots``: ``resident_map``'s ``SlotMap``, or a
         copy of it a CUDA graph holds): a fixed sequence of ops, no read, nothing the host keeps. Experts
         in consecutive slots (all resident, ``initial_slots``' layout) are computed over that run of the
-        pool, which needs no map: the expert's id is its slot there."""
+        pool, which needs no map: the expert's id is its slot there. ``rows``: as ``forward``'s."""
         gate_up, down = self.pool.shape.split_rows(self.pool.storage)
         if isinstance(slots, int):
             run = slice(slots, slots + self.store.num_experts)
             return resident_experts(hidden, top_k_index, top_k_weights, gate_up[run], down[run], module.act_fn,
-                                    residual)
-        return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slots)
+                                    residual, rows=rows)
+        return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual, slots,
+                                rows)
 
     def planned_pairs(self, module: Any, hidden: torch.Tensor, plan: torch.Tensor, out: torch.Tensor) -> None:
         """The pairs a padded ``PairOutputs.plan`` names, from their slots into ``out`` (``(T·k + 1, H)``,

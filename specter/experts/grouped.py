@@ -131,7 +131,7 @@ class PairOutputs:
 def resident_experts(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], residual: torch.Tensor | None = None,
-    slot_map: torch.Tensor | None = None,
+    slot_map: torch.Tensor | None = None, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A MoE layer whose experts are all resident (the draft's stacked experts, or a target layer
     whose every expert sits ready in a slot): no read of device data.
@@ -147,8 +147,13 @@ def resident_experts(
         act_fn: the experts' activation.
         residual: added to the output in the weighted sum's op, when given.
         slot_map: ``(E,)`` each expert's slot (the target's pool), on the device.
+        rows: one token's pair rows already made, ``(k, H)``: its row ``k`` times (``_Fused.moe_input``:
+            written by the norm's own kernels, where copying ``hidden`` out ``k`` times is a kernel more).
     """
     tokens, k = top_k_index.shape
+    if rows is not None and (tokens != 1 or tuple(rows.shape) != (k, hidden.shape[-1])):
+        raise ValueError(f"rows: one token's {k} pair rows of {hidden.shape[-1]} expected, got {tuple(rows.shape)} "
+                         f"for {tokens} tokens")
     groups = gate_up.shape[0]
     key = (groups, hidden.device)
     if key not in _EXPERT_IDS:
@@ -156,8 +161,8 @@ def resident_experts(
     ids = top_k_index.reshape(-1) if slot_map is None else slot_map[top_k_index.reshape(-1)]
     sorted_ids, order = torch.sort(ids, stable=True)
     ends = torch.searchsorted(sorted_ids, _EXPERT_IDS[key], right=True, out_int32=True)
-    if tokens == 1:  # every pair's row is the one token's, whatever the order: one copy, no division
-        x = hidden.expand(k, -1).contiguous()
+    if tokens == 1:  # every pair's row is the one token's, whatever the order: one copy (or none), no division
+        x = hidden.expand(k, -1).contiguous() if rows is None else rows
     else:
         x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
     gate, up = grouped_linear(x, gate_up, ends).chunk(2, dim=-1)

@@ -160,7 +160,8 @@ class LeanStep:
                 hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
             else:
                 hidden = self.fused[i].attention(layer.self_attn, x, cos, sin, mask, cache, hidden, segments)
-                hidden = self.fused[i].mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), hidden)
+                x, rows = self.fused[i].moe_input(layer.mlp, layer.post_attention_layernorm, hidden)
+                hidden = self.fused[i].mlp(layer.mlp, x, hidden, rows)
         with once_per_step:
             return self.model.lm_head(_rms(self.inner.norm, hidden))  # type: ignore[operator]
 
@@ -423,15 +424,28 @@ class _Fused:
             start += tokens
         return torch.cat(outs, dim=1)
 
-    def mlp(self, mlp: Any, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def moe_input(self, mlp: Any, norm: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MoE block's input: ``norm`` of ``hidden`` (1, T, H); and, for one token whose routed experts
+        run on a Specter runner that takes them (``takes_rows``: grouped calls over resident weights),
+        its pair rows ``(k, H)`` — the normed row ``k`` times, written by the norm's own two kernels
+        (each row computed as the one would be, bit for bit), where copying it out ``k`` times after
+        them is a kernel more; the input is then the first of them (a view). Otherwise ``None``."""
+        tokens = hidden.shape[1]
+        runner = mlp.experts.__dict__.get("_specter_runner") if self.routed else None
+        if tokens == 1 and self.projection is not None and getattr(runner, "takes_rows", False):
+            rows = _rms(norm, hidden.expand(1, self.top_k, hidden.shape[2]))
+            return rows[:, :1], rows[0]
+        return _rms(norm, hidden), None
+
+    def mlp(self, mlp: Any, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``residual`` plus the MoE block's output (added in the experts' weighted sum); the router's
-        choice is kept in ``routing`` (ids and their probabilities)."""
+        choice is kept in ``routing`` (ids and their probabilities). ``rows``: ``moe_input``'s."""
         if not self.routed:  # a dense layer (qwen2_moe's mlp_only_layers)
             return residual + mlp(x)  # type: ignore[no-any-return]
         if self.projection is None:  # projections with biases: unfused
             return residual + LeanStep._mlp(mlp, x)
         flat, ids, weights, projected = self.route(x)
-        out = _experts_with_residual(mlp.experts, flat, ids, weights, residual.view(flat.shape))
+        out = _experts_with_residual(mlp.experts, flat, ids, weights, residual.view(flat.shape), rows)
         return self.combine(mlp, out, projected).view(x.shape)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -486,11 +500,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
 
 def _experts_with_residual(
     experts: Any, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``residual`` plus the routed experts' output: summed in the experts' own weighted sum where
-    Specter runs them (its runners take a residual), else added after."""
+    Specter runs them (its runners take a residual), else added after. ``rows``: one token's pair rows
+    (``_Fused.moe_input``), for a runner that takes them."""
     runner = experts.__dict__.get("_specter_runner")
     if runner is None:
         return residual + experts(flat, ids, weights)  # type: ignore[no-any-return]
-    return runner.forward(experts, experts.__dict__["_specter_layer"], flat, ids, weights,  # type: ignore[no-any-return]
-                          residual=residual)
+    layer = experts.__dict__["_specter_layer"]
+    if rows is None:
+        return runner.forward(experts, layer, flat, ids, weights, residual=residual)  # type: ignore[no-any-return]
+    return runner.forward(experts, layer, flat, ids, weights, residual=residual, rows=rows)  # type: ignore[no-any-return]

@@ -194,7 +194,8 @@ class _Pieces:
         self.ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
         self.steps = torch.arange(tokens, device=device)
         self.moe: list[torch.Tensor] = []  # per split: the experts' output (residual in it), copied in
-        self.routes: list[tuple[torch.Tensor, ...]] = []  # per split: rows, ids, weights, residual, projection
+        # per split: rows, ids, weights, residual, projection, pair rows (``_Fused.moe_input``; None for several tokens)
+        self.routes: list[tuple[Any, ...]] = []
         self.positions = self.mask = self.turn = self.logits = torch.empty(0)
         self.table: Any = None  # the rotation table the step's ``turn`` is gathered from
         self.graphs: list[Any] = []
@@ -204,7 +205,7 @@ class _Pieces:
 
 
 class GraphedStep:
-    """``step(tokens (1, T)) -> logits (1, T, V)`` at ``cache.length``, then T positions more.
+    """``step(tokens (1, T)) -> logits (1, T, V)`` (fp32) at ``cache.length``, then T positions more.
 
     The step is cut into pieces at each layer whose experts run outside the graph (``split``: the
     target's, whose executor reads the routing and fetches the misses) unless every such layer's
@@ -249,7 +250,7 @@ class GraphedStep:
         return dict(self.lean.routing())
 
     def forward(self, input_ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
-        """Logits for ``input_ids`` after ``cache`` (this step's own cache): the prompt through the
+        """Logits (fp32) for ``input_ids`` after ``cache`` (this step's own cache): the prompt through the
         model's transformers forward (its shapes differ every time; copied into the cache after), the
         steps after it through the pieces."""
         if cache is not self.cache:
@@ -259,7 +260,7 @@ class GraphedStep:
         prompt = DynamicCache(config=self.lean.model.config)
         logits = self.lean.model(input_ids=input_ids, cache=prompt, use_cache=True).logits
         cache.absorb(prompt)
-        return logits  # type: ignore[no-any-return]
+        return logits.float()  # type: ignore[no-any-return]
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         cache, tokens = self.cache, input_ids.shape[1]
@@ -296,7 +297,10 @@ class GraphedStep:
         cache.length += tokens
         cache.on_device = cache.length
         with once_per_step:
-            return pieces.logits.clone() if graphed else pieces.logits  # the next replay overwrites the graph's
+            logits = pieces.logits
+            if logits.dtype != torch.float32:  # the callers' fp32, and a tensor the next replay does not overwrite
+                return logits.float()
+            return logits.clone() if graphed else logits  # the next replay overwrites the graph's
 
     def _pieces(self, tokens: int, slots: tuple[tuple[int, ...], ...] | None) -> _Pieces:
         """The token count's pieces: cut at the split layers, or (``slots``: every split layer's experts
@@ -386,8 +390,8 @@ class GraphedStep:
             self._piece(p, i)
             if i < len(self.splits):
                 runner, _, experts = runners[i]
-                flat, ids, weights, residual, _ = p.routes[i]
-                out = runner.resident_experts(experts, flat, ids, weights, residual, p.maps[i])
+                flat, ids, weights, residual, _, rows = p.routes[i]
+                out = runner.resident_experts(experts, flat, ids, weights, residual, p.maps[i], rows)
                 if len(p.moe) > i:
                     p.moe[i] = out
                 else:
@@ -471,7 +475,7 @@ class GraphedStep:
         else:
             layer = self.splits[i - 1]
             if p.inside:  # the split layer's pair outputs, weighted and summed over top-k, the residual in
-                _, ids, weights, residual, _ = p.routes[i - 1]
+                _, ids, weights, residual, *_ = p.routes[i - 1]
                 moe = weighted_sum(p.pairs[i - 1][:-1].view(*ids.shape, -1), weights, residual)
             else:
                 moe = p.moe[i - 1]
@@ -482,16 +486,16 @@ class GraphedStep:
             layer, fused = lean.layers[j], lean.fused[j]
             x = _rms(layer.input_layernorm, hidden)
             hidden = fused.static_attention(layer.self_attn, x, p.turn, p.mask, self.cache, hidden)
-            x = _rms(layer.post_attention_layernorm, hidden)
+            x, rows = fused.moe_input(layer.mlp, layer.post_attention_layernorm, hidden)
             if j in self.splits:
                 flat, ids, weights, projected = fused.route(x)
-                route = (flat, ids, weights, hidden.view(flat.shape), projected)
+                route = (flat, ids, weights, hidden.view(flat.shape), projected, rows)
                 if len(p.routes) > i:
                     p.routes[i] = route
                 else:
                     p.routes.append(route)
                 return
-            hidden = fused.mlp(layer.mlp, x, hidden)
+            hidden = fused.mlp(layer.mlp, x, hidden, rows)
         with once_per_step:
             p.logits = lean.model.lm_head(_rms(lean.inner.norm, hidden))
             self.cache.position.add_(p.ids.shape[1])  # the next step's, unless the host moves it (``on_device``)
@@ -506,7 +510,7 @@ class GraphedStep:
     def _experts(self, p: _Pieces, i: int, graphed: bool) -> None:
         """Split ``i``'s routed experts, eagerly (reads, fetches), into piece ``i + 1``'s input: with slot
         graphs, into the pair outputs it sums, those in slots by replays of the split's slot graph."""
-        flat, ids, weights, residual, _ = p.routes[i]
+        flat, ids, weights, residual, *_ = p.routes[i]
         if p.inside:
             runner, layer, experts = self._runners()[i]
             from_slots = partial(self._from_slots, p, i, graphed=graphed)

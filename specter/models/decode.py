@@ -43,9 +43,10 @@ from specter.timing.dispatch import once_per_step
 LEAN_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
 
 
-def _rms(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """An RMSNorm module's forward (``weight * x / rms(x)``, computed in fp32) on its own weight."""
-    return _rms_weight(x, norm.weight, norm.variance_epsilon)
+def _rms(norm: Any, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """An RMSNorm module's forward (``weight * x / rms(x)``, computed in fp32) on its own weight (``rows``:
+    ``_rms_weight``'s)."""
+    return _rms_weight(x, norm.weight, norm.variance_epsilon, rows)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +280,7 @@ class LeanStep:
         return out.view(x.shape)  # type: ignore[no-any-return]
 
 
-def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int = 1) -> torch.Tensor:
     """RMSNorm with a given weight (a module's, or qwen3's q and k head norms stacked: a row per head).
 
     transformers' arithmetic — ``x / rms(x)`` in fp32, rounded to the model's dtype, times the weight
@@ -288,8 +289,16 @@ def _rms_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     on a GPU one fused kernel where the module's ``to``, ``pow``, ``mean``, ``add``, ``rsqrt``, ``mul``
     and ``to`` are seven; on a CPU bit for bit those ops). The weight stays outside it: inside, the
     fused kernel would multiply before rounding, where transformers rounds first (a bf16 model's norms
-    would round once, not twice)."""
-    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
+    would round once, not twice).
+
+    ``rows``: ``x`` is one row ``(1, 1, H)`` and the result that row ``rows`` times ``(1, rows, H)``,
+    contiguous: the weight's product reads the normed row through a stride-0 view (an elementwise op
+    takes one as it is, where a norm kernel may copy its input contiguous first), so the rows cost no
+    kernel more and each is the one row's value, bit for bit."""
+    normed = F.rms_norm(x, x.shape[-1:], eps=eps)
+    if rows > 1:
+        normed = normed.expand(*normed.shape[:-2], rows, normed.shape[-1])
+    return weight * normed
 
 
 def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
@@ -427,13 +436,14 @@ class _Fused:
     def moe_input(self, mlp: Any, norm: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MoE block's input: ``norm`` of ``hidden`` (1, T, H); and, for one token whose routed experts
         run on a Specter runner that takes them (``takes_rows``: grouped calls over resident weights),
-        its pair rows ``(k, H)`` — the normed row ``k`` times, written by the norm's own two kernels
-        (each row computed as the one would be, bit for bit), where copying it out ``k`` times after
-        them is a kernel more; the input is then the first of them (a view). Otherwise ``None``."""
+        its pair rows ``(k, H)`` — the normed row ``k`` times, written by the norm's weight product
+        (``_rms_weight``'s ``rows``: each row the one row's value, bit for bit), where copying it out
+        ``k`` times after the norm is a kernel more; the input is then the first of them (a view).
+        Otherwise ``None``."""
         tokens = hidden.shape[1]
         runner = mlp.experts.__dict__.get("_specter_runner") if self.routed else None
         if tokens == 1 and self.projection is not None and getattr(runner, "takes_rows", False):
-            rows = _rms(norm, hidden.expand(1, self.top_k, hidden.shape[2]))
+            rows = _rms(norm, hidden, self.top_k)
             return rows[:, :1], rows[0]
         return _rms(norm, hidden), None
 

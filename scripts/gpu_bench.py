@@ -32,6 +32,12 @@ differing per repeat), with medians over ``--repeats``:
   demand copy was queued or moving. Each of these runs first makes ready, in the verifier and the
   draft process, every token count its rounds can use (``ProcessEngine.prepare_steps``), as in process.
 
+Beside the rows, the resident step at a second depth (``engine-depth``: a model of half the layers, or
+two where the shape has one; built the same way, no draft): the slope between the two is the engine's
+resident step **per MoE layer** as a whole model pays it, the intercept the step's own work (embedding,
+final norm, LM head, its launch and reads), which a few-layer model's TPOT over its layers spreads
+over those few (``resident_slope``; issue 34's "engine resident ≤ 0.35 / 0.4 ms per MoE layer").
+
 Each row: TPOT (median), its ratio to ``demand-lru`` at the same budget, accepted / K per speculative
 round (and the share of rounds ``specter``'s K chooser made plain),
 hit rate, link busy share, host reads per MoE layer per token; under the table, per speculative row,
@@ -222,12 +228,16 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
         gain = args.gain
     if args.smoke:
         layers = 1
+    depth = layers // 2 if layers > 1 else 2  # the resident step's second depth (``resident_slope``)
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     folder = models / shape
     build_synthetic(shape, folder / "target", layers=layers, gain=gain, shrink=SMOKE_SHRINK[shape] if args.smoke else 1,
                     dtype=dtype, device=device)
     quantize_model(str(folder / "target"), str(folder / "draft"), method="rtn", progress=False)
+    other = models / f"{shape}-{depth}-layers"
+    build_synthetic(shape, other / "target", layers=depth, gain=gain, shrink=SMOKE_SHRINK[shape] if args.smoke else 1,
+                    dtype=dtype, device=device)
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-cut", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]
@@ -239,29 +249,35 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings += [(policy, budgets[0]) for policy in args.extra.split(",") if policy]
     settings += [(f"{policy}-processes", budgets[0]) for policy in args.processes.split(",") if policy]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
+    deeper: list[dict[str, Any]] = []  # the resident step at the second depth (its tokens: another model's)
+    depth_runner = Runner(other, device, dtype, cuda, step="static" if args.static else "auto", draft=False)
     gen = torch.Generator().manual_seed(0)
     try:
         warm = torch.randint(0, 4096, (16,), generator=torch.Generator().manual_seed(1)).tolist()
         for policy, budget in settings:  # a discarded pass: each path's first kernels, handles and modules
             runner.run(policy, budget, warm, 4)
+        depth_runner.run("engine", 1.0, warm, 4)
         for repeat in range(repeats):
             prompt = torch.randint(0, 4096, (16,), generator=gen).tolist()
             for policy, budget in settings:  # interleaved: each setting once per repeat
                 runs[f"{policy}@{budget:g}"].append(runner.run(policy, budget, prompt, new_tokens))
+            deeper.append({"prompt": prompt, **depth_runner.run("engine", 1.0, prompt, new_tokens)})
             if save is not None:
-                save({**shape_figures(layers, gain, dtype, runs, {}), "repeats_done": repeat + 1})
+                save({**shape_figures(layers, gain, dtype, runs, {}, (depth, deeper)), "repeats_done": repeat + 1})
     finally:
         runner.close()
+        depth_runner.close()
     graph = "graph" if cuda else "static"
     steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens) for mode in ("eager", graph)}
     if int4:
         steps[f"int4 {graph}"] = draft_step_ms(folder / "draft", graph, device, dtype, new_tokens, "int4-kernel")
-    return shape_figures(layers, gain, dtype, runs, steps)
+    return shape_figures(layers, gain, dtype, runs, steps, (depth, deeper))
 
 
 def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, list[dict[str, Any]]],
-                  steps: dict[str, float]) -> dict[str, Any]:
-    """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times."""
+                  steps: dict[str, float], depth: tuple[int, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times, and
+    (``depth``: the second depth's layers and its resident runs) ``resident_slope``."""
     summary = {name: summarize(rows) for name, rows in runs.items() if rows}
     for name, row in summary.items():
         setting, budget = name.split("@")
@@ -274,8 +290,23 @@ def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, 
     resident = summary.get("engine@1", {}).get("tpot_ms")
     draft_step = {mode: {"ms": ms, "vs_target_step": round(ms / resident, 3) if resident else None}
                   for mode, ms in steps.items()}
+    slope = None
+    if depth is not None and depth[1] and resident:
+        slope = resident_slope(layers, resident, depth[0], summarize(depth[1])["tpot_ms"])
     return {"layers": layers, "gain": gain, "dtype": str(dtype), "summary": summary, "draft_step": draft_step,
-            "runs": runs}
+            "resident_slope": slope, "runs": runs, "depth_runs": depth[1] if depth is not None else []}
+
+
+def resident_slope(layers: int, tpot_ms: float, depth: int, depth_tpot_ms: float) -> dict[str, Any]:
+    """The engine's resident step per MoE layer as a whole model pays it: the slope between its TPOT at
+    ``layers`` and at ``depth`` layers (the step's own work cancels), that own work (the intercept),
+    and the TPOT over ``layers`` beside them (what a model of this few layers shows)."""
+    if depth == layers:
+        raise ValueError(f"depth: a second depth other than the model's {layers} layers, got {depth}")
+    per = (tpot_ms - depth_tpot_ms) / (layers - depth)
+    return {"layers": [depth, layers], "tpot_ms": [round(depth_tpot_ms, 4), round(tpot_ms, 4)],
+            "per_layer_ms": round(per, 4), "step_own_ms": round(tpot_ms - layers * per, 4),
+            "tpot_over_layers_ms": round(tpot_ms / layers, 4)}
 
 
 def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, tokens: int,
@@ -301,13 +332,16 @@ def draft_step_ms(folder: Path, step: str, device: str, dtype: torch.dtype, toke
 class Runner:
     """Loads the target per run (a fresh slot pool) and the draft once; times one request."""
 
-    def __init__(self, folder: Path, device: str, dtype: torch.dtype, cuda: bool, step: str = "auto"):
+    def __init__(self, folder: Path, device: str, dtype: torch.dtype, cuda: bool, step: str = "auto",
+                 draft: bool = True):
         from specter.config import LinkConfig
         from specter.draft.loading import load_draft
 
         self.folder, self.device, self.dtype, self.step = folder, device, dtype, step
         self.link = LinkConfig(kind="cuda") if cuda else LinkConfig(kind="sim", bandwidth=2e9, latency=10e-6)
-        self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype, step=step)
+        # ``draft`` False: the plain settings only (``engine-depth``'s model has no draft)
+        self.draft = load_draft(folder / "draft", device=device, mode="dequant-cache", dtype=dtype,
+                                step=step) if draft else None
         self.eager_draft: Any = None
         self.int4_draft: Any = None
         self.processes: Any = None  # the three roles as processes (launched by the first ``-processes`` run)

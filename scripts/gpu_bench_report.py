@@ -1,5 +1,6 @@
 """The GPU bench's markdown report (``gpu_bench.md``) from its results: per shape, a table of every
-setting's medians, each speculative row's rounds and K chooser under it, and the draft's step times.
+setting's medians, each speculative row's rounds and K chooser under it, the resident step per MoE
+layer (its slope over two depths) and the draft's step times.
 
 Used by ``scripts/gpu_bench.py``, which runs the settings and keeps the figures.
 """
@@ -41,6 +42,13 @@ def markdown(results: dict[str, Any]) -> str:
                          f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} "
                          f"| {_figure(row, 'vs_in_process', '{:.2f}x')} | {_figure(row, 'busy_while_demanded', '{:.0%}')} |")
         lines += _chooser_lines(block["summary"])
+        slope = block.get("resident_slope")
+        if slope:
+            (few, many), (few_ms, many_ms) = slope["layers"], slope["tpot_ms"]
+            lines.append(f"Engine resident per MoE layer: **{slope['per_layer_ms']:.3f} ms** (the slope between its "
+                         f"{few}- and {many}-layer steps, {few_ms:.3f} and {many_ms:.3f} ms a token); the step's own "
+                         f"work {slope['step_own_ms']:.3f} ms; the {many}-layer step over its layers "
+                         f"{slope['tpot_over_layers_ms']:.3f} ms.")
         steps = block.get("draft_step", {})
         if steps:
             lines.append("Draft step (one token, ms; ratio to the engine's resident step): " + ", ".join(

@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_transformers(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    out, models = tmp_path / "out", tmp_path / "models"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--out", str(out),
+                           "--models", str(models)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    results = json.loads((tmp_path / "gpu_bench.json").read_text())
-    markdown = (tmp_path / "gpu_bench.md").read_text()
+    results = json.loads((out / "gpu_bench.json").read_text())
+    markdown = (out / "gpu_bench.md").read_text()
     assert results["kernels"] == {"status": "skipped: needs CUDA"}  # the graph's kernel probe: a device's
     assert "Kernels in a CUDA graph: skipped: needs CUDA." in markdown
     for shape in ("qwen1.5-moe", "mixtral-8x7b"):
@@ -56,6 +58,23 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         assert "ahead" in adaptive and "chooser" not in block["summary"]["specter-paper@0.25"]
         assert "* specter@0.25: rounds by K" in markdown
         assert f"## {shape}" in markdown
+        # the resident step at a second depth (2 layers where the smoke's model has 1): its slope is a layer's
+        # cost, its intercept the step's own; the second model's runs are transformers' greedy tokens on it
+        slope = block["resident_slope"]
+        (few, many), (few_ms, many_ms) = slope["layers"], slope["tpot_ms"]
+        assert (few, many) == (2, 1) and many_ms == pytest.approx(block["summary"]["engine@1"]["tpot_ms"], abs=1e-3)
+        assert slope["per_layer_ms"] == pytest.approx((many_ms - few_ms) / (many - few), abs=1e-3)
+        assert slope["step_own_ms"] == pytest.approx(many_ms - many * slope["per_layer_ms"], abs=1e-3)
+        assert len(block["depth_runs"]) == len(block["runs"]["engine@1"])
+        deeper = AutoModelForCausalLM.from_pretrained(models / f"{shape}-2-layers" / "target").eval()
+        for run in block["depth_runs"]:
+            new = len(run["tokens"])
+            with torch.no_grad():
+                want = deeper.generate(torch.tensor([run["prompt"]]), max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False)
+            assert run["tokens"] == want[0, len(run["prompt"]):].tolist()
+        assert f"Engine resident per MoE layer: **{slope['per_layer_ms']:.3f} ms** (the slope between its 2- and " \
+               "1-layer steps" in markdown
 
 
 def test_the_gpu_bench_refuses_to_run_without_a_device_unless_smoke(tmp_path):

@@ -231,13 +231,11 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     depth = layers // 2 if layers > 1 else 2  # the resident step's second depth (``resident_slope``)
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
-    folder = models / shape
-    build_synthetic(shape, folder / "target", layers=layers, gain=gain, shrink=SMOKE_SHRINK[shape] if args.smoke else 1,
-                    dtype=dtype, device=device)
+    folder, other = models / shape, models / f"{shape}-{depth}-layers"
+    for where, count in ((folder, layers), (other, depth)):
+        build_synthetic(shape, where / "target", layers=count, gain=gain,
+                        shrink=SMOKE_SHRINK[shape] if args.smoke else 1, dtype=dtype, device=device)
     quantize_model(str(folder / "target"), str(folder / "draft"), method="rtn", progress=False)
-    other = models / f"{shape}-{depth}-layers"
-    build_synthetic(shape, other / "target", layers=depth, gain=gain, shrink=SMOKE_SHRINK[shape] if args.smoke else 1,
-                    dtype=dtype, device=device)
     settings = [("transformers", 1.0), ("engine", 1.0), ("engine-cut", 1.0), ("engine-eager", 1.0)]
     settings += [(policy, b) for b in budgets for policy in ("demand-lru", *SPECULATIVE)]
     settings += [(f"{policy}-eager", budgets[0]) for policy in ("demand-lru", "specter")]

@@ -518,7 +518,6 @@ def _experts_with_residual(
     runner = experts.__dict__.get("_specter_runner")
     if runner is None:
         return residual + experts(flat, ids, weights)  # type: ignore[no-any-return]
-    layer = experts.__dict__["_specter_layer"]
-    if rows is None:
-        return runner.forward(experts, layer, flat, ids, weights, residual=residual)  # type: ignore[no-any-return]
-    return runner.forward(experts, layer, flat, ids, weights, residual=residual, rows=rows)  # type: ignore[no-any-return]
+    given = {} if rows is None else {"rows": rows}  # only a runner that ``takes_rows`` is given them
+    return runner.forward(experts, experts.__dict__["_specter_layer"], flat, ids, weights,  # type: ignore[no-any-return]
+                          residual=residual, **given)

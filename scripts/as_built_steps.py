@@ -1,6 +1,7 @@
-"""The as-built clock's prediction for this code on the H200, eager and with CUDA graphs.
+"""The as-built clock's prediction for this code on the H200 (or an H100), eager and with CUDA graphs.
 
-    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--real-layers N] [--out DIR]
+    python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--real-layers N]
+                                     [--gpu h200|h100] [--out DIR]
 
 ``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
 ``qwen2moe-h200`` profile cut to 4 layers; ``--workload`` takes another of its workloads, e.g.
@@ -14,7 +15,10 @@ engine, as the H200's runs did (``--real-layers``: the 4 layers standing for a w
 step's own work spread over all of them); ``specter-kept`` is ``specter`` with one K chooser through the three
 prompts, as a running engine (and ``specter bench``) keeps what it learnt. ``--dtype bfloat16`` computes in bf16 as a GPU does
 (default fp32, as the CPU's engine): whatever kernels a bf16 step issues that an fp32 one does not, the
-clock charges a floor each. Prints one JSON line per setting; writes ``as_built_steps.json``.
+clock charges a floor each. ``--gpu h100``: the same on the device tool's other kind, an H100 (taken as
+the SXM part: 3.35 TB/s where the H200 has 4.8; ``qwen2moe-h100`` / ``mixtral-h100``), its link, host and
+dispatch costs the H200's (assumed: no H100 has run this code). Prints one JSON line per setting; writes
+``as_built_steps.json``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ parser.add_argument("--real-layers", type=int, default=vd.LAYERS,
                     help="the real model's layers the synthetic model's 4 stand for (default 4: one each); e.g. 32, "
                          "Mixtral's: each layer's ops and kernels charged 8 times, the step's own (embedding, LM head, "
                          "launch, read) once, as a whole model's step pays them")
+parser.add_argument("--gpu", default="h200", choices=("h200", "h100"),
+                    help="whose memory and compute the kernels are charged at (default h200, the lent one that "
+                         "calibrated the dispatch costs; h100: the SXM part's 3.35 TB/s, the rest assumed the H200's)")
 args = parser.parse_args()
 if args.real_layers < 1:
     parser.error(f"--real-layers: expected 1 or more layers, got {args.real_layers}")
@@ -67,7 +74,7 @@ model = work / "model"
 if not model.exists():
     synthetic.build_synthetic(shape, model, layers=4, gain=gain, shrink=shrink, dtype=torch.float32)
     quantize_model(str(model), str(work / "draft"), method="rtn", progress=False)
-profile = vd._profile(profile_name, synthetic.SHAPES[shape], args.real_layers)
+profile = vd._profile(profile_name.replace("-h200", f"-{args.gpu}"), synthetic.SHAPES[shape], args.real_layers)
 gen = torch.Generator().manual_seed(5)
 prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(3)]
 dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in the profile's time
@@ -99,7 +106,8 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
-        row = {"workload": args.workload, "dtype": args.dtype, "real_layers": args.real_layers, "step": step,
+        row = {"workload": args.workload, "gpu": args.gpu, "dtype": args.dtype, "real_layers": args.real_layers,
+               "profile": profile.name, "step": step,
                "dispatch": dname, "prepared": prepared, "setting": setting, "tpot_ms": statistics.median(tpots),
                "per_layer_ms": statistics.median(tpots) / args.real_layers,
                "accepted_per_window": acc}

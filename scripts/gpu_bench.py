@@ -183,7 +183,7 @@ def kernel_probe(cuda: bool, hidden: int = 2048, count: int = 256, replays: int 
     x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
 
-    def per_call_us(body: Any) -> float:
+    def per_call_us(body: Any, calls: int = count) -> float:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -192,7 +192,7 @@ def kernel_probe(cuda: bool, hidden: int = 2048, count: int = 256, replays: int 
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(count):
+            for _ in range(calls):
                 body()
         times = []
         for _ in range(replays):
@@ -201,7 +201,7 @@ def kernel_probe(cuda: bool, hidden: int = 2048, count: int = 256, replays: int 
             graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / count)
+            times.append(start.elapsed_time(end) * 1e3 / calls)
         return round(statistics.median(times), 2)
 
     out: dict[str, Any] = {"status": "ok", "hidden": hidden, "calls_per_graph": count}
@@ -214,7 +214,30 @@ def kernel_probe(cuda: bool, hidden: int = 2048, count: int = 256, replays: int 
     ref = module_rms(rows, weight, 1e-6)
     out["rms_norm_engine_differs"] = float((_rms_weight(rows, weight, 1e-6) != ref).float().mean())
     out["rms_norm_fused_differs"] = float((F.rms_norm(rows, (hidden,), weight, 1e-6) != ref).float().mean())
+    # The memory a resident step's weights stream at: one token through a Mixtral expert's gate matrix
+    # (14336 x 4096 bf16, 117 MB: past any L2), the GEMV a decode step's weights are read by.
+    matrix = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)
+    token = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    out["gemv_us"] = per_call_us(lambda: F.linear(token, matrix), calls=32)
+    out["gemv_gbps"] = round(matrix.numel() * matrix.element_size() / (out["gemv_us"] * 1e-6) / 1e9, 1)
     return out
+
+
+def layer_read_bytes(shape: str, shrink: int = 1, bytes_per_param: int = 2) -> int:
+    """The weights one token's resident step reads per MoE layer of ``shape`` (``specter/eval/synthetic.py``'s
+    layer): every parameter of the layer — attention, norms, router, a shared expert — but the routed
+    experts, of which only the top-k's; counted off transformers' own module for the shape (no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from specter.eval.synthetic import synthetic_config
+
+    config = synthetic_config(shape, 1, shrink=shrink)
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    routed = sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}")
+    rest = sum(p.numel() for p in layer.parameters()) - routed
+    return (rest + routed * config.num_experts_per_tok // experts) * bytes_per_param
 
 
 def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, new_tokens: int,
@@ -247,6 +270,7 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     settings += [(policy, budgets[0]) for policy in args.extra.split(",") if policy]
     settings += [(f"{policy}-processes", budgets[0]) for policy in args.processes.split(",") if policy]
     runs: dict[str, list[dict[str, Any]]] = {f"{p}@{b:g}": [] for p, b in settings}
+    read_bytes = layer_read_bytes(shape, SMOKE_SHRINK[shape] if args.smoke else 1, dtype.itemsize)
     deeper: list[dict[str, Any]] = []  # the resident step at the second depth (its tokens: another model's)
     depth_runner = Runner(other, device, dtype, cuda, step="static" if args.static else "auto", draft=False)
     gen = torch.Generator().manual_seed(0)
@@ -261,7 +285,8 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
                 runs[f"{policy}@{budget:g}"].append(runner.run(policy, budget, prompt, new_tokens))
             deeper.append({"prompt": prompt, **depth_runner.run("engine", 1.0, prompt, new_tokens)})
             if save is not None:
-                save({**shape_figures(layers, gain, dtype, runs, {}, (depth, deeper)), "repeats_done": repeat + 1})
+                save({**shape_figures(layers, gain, dtype, runs, {}, (depth, deeper), read_bytes),
+                      "repeats_done": repeat + 1})
     finally:
         runner.close()
         depth_runner.close()
@@ -269,13 +294,15 @@ def bench_shape(shape: str, models: Path, budgets: list[float], repeats: int, ne
     steps = {mode: draft_step_ms(folder / "draft", mode, device, dtype, new_tokens) for mode in ("eager", graph)}
     if int4:
         steps[f"int4 {graph}"] = draft_step_ms(folder / "draft", graph, device, dtype, new_tokens, "int4-kernel")
-    return shape_figures(layers, gain, dtype, runs, steps, (depth, deeper))
+    return shape_figures(layers, gain, dtype, runs, steps, (depth, deeper), read_bytes)
 
 
 def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, list[dict[str, Any]]],
-                  steps: dict[str, float], depth: tuple[int, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-    """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times, and
-    (``depth``: the second depth's layers and its resident runs) ``resident_slope``."""
+                  steps: dict[str, float], depth: tuple[int, list[dict[str, Any]]] | None = None,
+                  read_bytes: int | None = None) -> dict[str, Any]:
+    """A shape's figures: medians per setting, ratios to ``demand-lru``, the draft's step times,
+    (``depth``: the second depth's layers and its resident runs) ``resident_slope``, and beside it
+    ``layer_read_bytes`` (``read_bytes``: the weights a resident step reads per MoE layer)."""
     summary = {name: summarize(rows) for name, rows in runs.items() if rows}
     for name, row in summary.items():
         setting, budget = name.split("@")
@@ -292,7 +319,8 @@ def shape_figures(layers: int, gain: float, dtype: torch.dtype, runs: dict[str, 
     if depth is not None and depth[1] and resident:
         slope = resident_slope(layers, resident, depth[0], summarize(depth[1])["tpot_ms"])
     return {"layers": layers, "gain": gain, "dtype": str(dtype), "summary": summary, "draft_step": draft_step,
-            "resident_slope": slope, "runs": runs, "depth_runs": depth[1] if depth is not None else []}
+            "resident_slope": slope, "layer_read_bytes": read_bytes, "runs": runs,
+            "depth_runs": depth[1] if depth is not None else []}
 
 
 def resident_slope(layers: int, tpot_ms: float, depth: int, depth_tpot_ms: float) -> dict[str, Any]:

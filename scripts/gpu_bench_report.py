@@ -22,7 +22,10 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{kernels['rms_norm_module_us']} µs, as the engine's {kernels['rms_norm_engine_us']} µs (outputs "
                   f"differing from the module's: {kernels['rms_norm_engine_differs']:.2%}), in one `F.rms_norm` "
                   f"{kernels['rms_norm_fused_us']} µs ({kernels['rms_norm_fused_differs']:.2%}; fused kernel: "
-                  f"{kernels['fused_rms_norm_cuda']}).", ""]
+                  f"{kernels['fused_rms_norm_cuda']})." + (
+                      f" A one-token GEMV through a 14336 x 4096 bf16 matrix: {kernels['gemv_us']} µs, "
+                      f"**{kernels['gemv_gbps']:.0f} GB/s** (the memory a resident step's weights stream at)."
+                      if "gemv_gbps" in kernels else ""), ""]
     elif kernels:
         lines += [f"Kernels in a CUDA graph: {kernels['status']}.", ""]
     for shape, block in results["shapes"].items():
@@ -48,13 +51,24 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"Engine resident per MoE layer: **{slope['per_layer_ms']:.3f} ms** (the slope between its "
                          f"{few}- and {many}-layer steps, {few_ms:.3f} and {many_ms:.3f} ms a token); the step's own "
                          f"work {slope['step_own_ms']:.3f} ms; the {many}-layer step over its layers "
-                         f"{slope['tpot_over_layers_ms']:.3f} ms.")
+                         f"{slope['tpot_over_layers_ms']:.3f} ms." + _floor(slope, block, kernels))
         steps = block.get("draft_step", {})
         if steps:
             lines.append("Draft step (one token, ms; ratio to the engine's resident step): " + ", ".join(
                 f"{mode} {row['ms']:.3f} ({row['vs_target_step']}x)" for mode, row in steps.items()))
         lines.append("")
     return "\n".join(lines)
+
+
+def _floor(slope: dict[str, Any], block: dict[str, Any], kernels: dict[str, Any]) -> str:
+    """Beside the slope: the layer's weights over the probe's GEMV bandwidth (what no engine goes below
+    on this device) and what of the slope is above it."""
+    if not block.get("layer_read_bytes") or not kernels.get("gemv_gbps"):
+        return ""
+    floor = block["layer_read_bytes"] / (kernels["gemv_gbps"] * 1e9) * 1e3
+    return (f" Its weights ({block['layer_read_bytes'] / 1e6:.0f} MB a layer: attention, norms, router, the top-k "
+            f"experts) at the probe's {kernels['gemv_gbps']:.0f} GB/s take {floor:.3f} ms; the rest of the slope, "
+            f"{slope['per_layer_ms'] - floor:.3f} ms, is launches, kernel floors and the small kernels.")
 
 
 def _chooser_lines(summary: dict[str, Any]) -> list[str]:

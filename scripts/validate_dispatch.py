@@ -70,7 +70,7 @@ def _synthetic() -> Any:
 
 
 def _profile(name: str, shape: dict[str, Any], layers: int = LAYERS) -> Any:
-    """The H200 profile of ``name`` cut to ``layers`` (default the synthetic model's 4: one small layer is one
+    """The profile ``name`` cut to ``layers`` (default the synthetic model's 4: one small layer is one
     real one; more: each small layer stands for several, as the clock's ``layer_scale`` charges them)."""
     from specter.timing.profiles import PROFILES
 

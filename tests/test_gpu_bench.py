@@ -75,6 +75,58 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
             assert run["tokens"] == want[0, len(run["prompt"]):].tolist()
         assert f"Engine resident per MoE layer: **{slope['per_layer_ms']:.3f} ms** (the slope between its 2- and " \
                "1-layer steps" in markdown
+        # the weights a resident step reads per layer, at the smoke's shrunk shapes in fp32: the same count
+        assert block["layer_read_bytes"] == _read_bytes(shape, SHRINK[shape], 4)
+
+
+SHRINK = {"qwen1.5-moe": 16, "mixtral-8x7b": 64}  # the smoke's (gpu_bench.py's SMOKE_SHRINK)
+
+
+def _read_bytes(shape: str, shrink: int, size: int) -> int:
+    """A resident one-token step's weights per MoE layer, from the published configs' shapes by hand:
+    Mixtral-8x7B (hidden 4096, 32 query / 8 key-value heads of 128, 8 experts of 14336, top 2) and
+    Qwen1.5-MoE-A2.7B (hidden 2048, 16 heads, q/k/v biases, 60 experts of 1408, top 4, a shared expert of
+    5632 with its one-output gate)."""
+    if shape == "mixtral-8x7b":
+        h, inter = 4096 // shrink, 14336 // shrink
+        attention = 2 * h * h + 2 * h * (h // 32 * 8)
+        return (attention + 2 * h + 8 * h + 2 * 3 * h * inter) * size
+    h, inter, shared = 2048 // shrink, 1408 // shrink, 5632 // shrink
+    attention = 4 * h * h + 3 * h
+    return (attention + 2 * h + 60 * h + 3 * h * shared + h + 4 * 3 * h * inter) * size
+
+
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen1.5-moe"])
+def test_the_weights_a_resident_step_reads_per_layer_are_the_published_shapes(shape):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_bench import layer_read_bytes
+
+    assert layer_read_bytes(shape) == _read_bytes(shape, 1, 2)
+    assert layer_read_bytes(shape, SHRINK[shape], 4) == _read_bytes(shape, SHRINK[shape], 4)
+    if shape == "mixtral-8x7b":  # 2 of 8 experts of 352.3 MB and 84 MB of attention: ~789 MB
+        assert round(layer_read_bytes(shape) / 1e6) == 789
+
+
+def test_the_report_puts_the_slope_beside_its_memory_floor():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_bench_report import markdown
+
+    kernels = {"status": "ok", "hidden": 2048, "add_us": 2.1, "rms_norm_module_us": 9.0, "rms_norm_engine_us": 5.0,
+               "rms_norm_engine_differs": 0.0, "rms_norm_fused_us": 2.2, "rms_norm_fused_differs": 0.01,
+               "fused_rms_norm_cuda": True, "gemv_us": 39.0, "gemv_gbps": 3000.0}
+    slope = {"layers": [1, 2], "tpot_ms": [0.5, 0.9], "per_layer_ms": 0.4, "step_own_ms": 0.1,
+             "tpot_over_layers_ms": 0.45}
+    block = {"layers": 2, "gain": 0.25, "dtype": "torch.bfloat16", "summary": {}, "resident_slope": slope,
+             "layer_read_bytes": 789_000_000}
+    text = markdown({"device": "a GPU", "torch": "2.x", "repeats": 3, "new_tokens": 32,
+                     "kernels": kernels, "shapes": {"mixtral-8x7b": block}})
+    assert "**3000 GB/s**" in text
+    # 789 MB at 3000 GB/s: 0.263 ms of the slope's 0.4; 0.137 above it
+    assert "Its weights (789 MB a layer: attention, norms, router, the top-k experts) at the probe's 3000 GB/s " \
+           "take 0.263 ms; the rest of the slope, 0.137 ms," in text
+    del kernels["gemv_gbps"]  # a probe from before it measured the GEMV: no floor, no error
+    assert "Its weights" not in markdown({"device": "a GPU", "torch": "2.x", "repeats": 3, "new_tokens": 32,
+                                          "kernels": kernels, "shapes": {"mixtral-8x7b": block}})
 
 
 def test_the_gpu_bench_refuses_to_run_without_a_device_unless_smoke(tmp_path):

@@ -207,6 +207,8 @@ H200_PINNED = 55 * GB  # pinned host→device, measured on the lent H200 (2026-1
 H200_HOST = Host("the lent H200 machine's 16 cores", 0.5 * (_QWEN_EXPERT / 0.16e-3 + _MIXTRAL_EXPERT / 5.25e-3),
                  0.3 * 2.0 * TFLOPS)
 H100_PCIE_FLOPS = 756 * TFLOPS  # dense bf16 tensor peak (NVIDIA H100 PCIe data sheet)
+H100_SXM_FLOPS = 989 * TFLOPS  # dense bf16 tensor peak (NVIDIA H100 SXM data sheet)
+H100_SXM_HBM = 3.35e12  # bytes/s, HBM3 (NVIDIA H100 SXM data sheet)
 
 # Budgets. DeepSeek-V2-Lite and Qwen1.5-MoE: the published evaluation's main ("high") cases on
 # the A100-40GB, 16 of 64 and 15 of 60 experts resident per layer. Mixtral: what the GPU holds
@@ -236,6 +238,15 @@ PROFILES: dict[str, Profile] = {
         Profile("mixtral-h200", "Mixtral-8x7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
                 H200_PINNED, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, H200_HBM, 0.25,
                 32, _MIXTRAL_KV, H200_FLOPS, "mixtral", H200_HOST),
+        # The device tool's other kind, "one NVIDIA H100 GPU (about 78 GiB)", taken as the SXM part (its
+        # PCIe part has 2.0 TB/s: mixtral-pcie5). Never run here: the link and the host are the lent
+        # H200 machine's, assumed (both kinds are PCIe 5.0 machines with 16 cores).
+        Profile("qwen2moe-h100", "Qwen1.5-MoE-A2.7B bf16, H100 SXM (3.35 TB/s), PCIe 5.0 x16 55 GB/s as the H200's",
+                H200_PINNED, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, H100_SXM_HBM, 0.25,
+                24, _QWEN_KV, H100_SXM_FLOPS, "qwen2_moe", H200_HOST),
+        Profile("mixtral-h100", "Mixtral-8x7B bf16, H100 SXM (3.35 TB/s), PCIe 5.0 x16 55 GB/s as the H200's",
+                H200_PINNED, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, H100_SXM_HBM, 0.25,
+                32, _MIXTRAL_KV, H100_SXM_FLOPS, "mixtral", H200_HOST),
     )
 }
 

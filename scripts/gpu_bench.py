@@ -53,7 +53,9 @@ step, eager and replayed as a CUDA graph (``static`` on a CPU: the same step run
 the engine's resident step. Before the shapes, a few seconds of ``kernel_probe``: what a small
 kernel takes inside a CUDA graph (the as-built clock's ``h200-graphs`` floor is 5.5 µs) and an
 RMSNorm as torch's ``F.rms_norm`` (one fused kernel where torch has one) against the engine's own
-(about eight kernels in bf16; two RMSNorms a layer are ~12 of the ~47 kernels of a layer's step).
+(about eight kernels in bf16; two RMSNorms a layer are ~12 of the ~47 kernels of a layer's step), and a
+one-token GEMV through a Mixtral expert's 14336 x 4096 bf16 matrix: the bandwidth a resident step's
+weights stream at, over which the report sets each shape's ``layer_read_bytes`` beside its slope.
 Writes ``gpu_bench.json`` and ``gpu_bench.md`` (the report:
 ``gpu_bench_report.py``, beside this script) under ``--out``. On a CPU (``--smoke``: shrunk shapes,
 1 layer, a few tokens, a simulated link) the same code runs as a test of the script
@@ -169,7 +171,8 @@ def kernel_probe(cuda: bool, hidden: int = 2048, count: int = 256, replays: int 
     transformers rounds twice). The as-built clock's ``h200-graphs`` charges 5.5 µs a kernel; this
     says what the device takes (bf16, one row of ``hidden``, ``count`` calls a graph, the median of
     ``replays`` replays), and on 256 rows the share of the engine's and the one-call norm's outputs
-    that differ from transformers' bits (the fused kernel reduces in its own order)."""
+    that differ from transformers' bits (the fused kernel reduces in its own order); and ``gemv_gbps``, the
+    bytes per second of one token's GEMV through a matrix larger than any L2."""
     if not cuda:
         return {"status": "skipped: needs CUDA"}
     import torch.nn.functional as F

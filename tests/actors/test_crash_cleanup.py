@@ -4,7 +4,9 @@ The driver is a separate process with its own embedded Ray. It launches one repl
 request, and prints ``INSIDE`` once the verifier reports committed tokens of that request (its
 ``progress``, read from the verifier's control thread): the kill is tied to that state, not to a
 clock. After the kill the test waits until every process of that Ray session has exited, then
-checks that no ``specter-*`` entry is left in ``/dev/shm`` or the temp directory.
+checks that nothing of that replica is left: no ``/dev/shm`` entry under its prefix (every segment a
+replica makes is named by it) and no IPC directory. Scoped to the replica, not to every ``specter-*``
+entry, so that another Specter running on the machine (a server, a second test run) cannot fail it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +34,8 @@ start_local(2, log_to_driver=False)
 handle = launch(sys.argv[1], sys.argv[2], SlotConfig(fraction=0.25), LinkConfig(kind="sim", bandwidth=2e7,
                 latency=5e-5), policy="specter+fixed", timeout_s=600)
 pids = {role: ray.get(getattr(handle, role).pid.remote()) for role in ("transfer", "verifier", "draft")}
-print(json.dumps({"session": ray.get_runtime_context().worker.node.session_name, "pids": pids}), flush=True)
+print(json.dumps({"session": ray.get_runtime_context().worker.node.session_name, "pids": pids,
+                  "prefix": handle.prefix, "ipc": handle.ipc_dir}), flush=True)
 
 def watch():
     while True:
@@ -49,10 +51,10 @@ print("FINISHED", flush=True)  # the kill landed too late: the test fails on thi
 """
 
 
-def _entries() -> set[str]:
-    shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("specter-")}
-    tmp = {str(p) for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("specter-")}
-    return shm | tmp
+def _left(prefix: str, ipc: str) -> list[str]:
+    """What of the replica of ``prefix`` is still there: its shared-memory segments and IPC directory."""
+    shm = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(f"{prefix}-")]
+    return shm + ([ipc] if Path(ipc).exists() else [])
 
 
 def _session_alive(session: str) -> bool:
@@ -76,7 +78,6 @@ def _read_line(proc: subprocess.Popen, prefix: str, bound_s: float) -> str:
 @pytest.mark.parametrize("victim", ["driver", "transfer", "verifier", "draft"])
 def test_sigkill_mid_request_leaves_no_shared_memory_or_ipc_dir(models, victim) -> None:
     folder, draft = models
-    before = _entries()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_AUTH_TOKEN", None)  # the driver's Ray makes its own
@@ -84,6 +85,9 @@ def test_sigkill_mid_request_leaves_no_shared_memory_or_ipc_dir(models, victim) 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         info = json.loads(_read_line(proc, "{", 240))
+        # launched sealed (the default): the names are gone once the peers are connected, so a crash
+        # after that has nothing named to leave; the check is that no crash path brings one back
+        assert info["prefix"].startswith("specter-") and Path(info["ipc"]).name.startswith("specter-ipc-")
         inside = _read_line(proc, "INSIDE", 240)
         assert json.loads(inside.split(" ", 1)[1])["committed"] < 200
         if victim != "driver":
@@ -97,4 +101,4 @@ def test_sigkill_mid_request_leaves_no_shared_memory_or_ipc_dir(models, victim) 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert _entries() - before == set()
+    assert _left(info["prefix"], info["ipc"]) == []

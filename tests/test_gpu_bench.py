@@ -13,6 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_bench import SMOKE_SHRINK, layer_read_bytes  # noqa: E402
+from gpu_bench_report import markdown  # noqa: E402
 
 
 def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_transformers(tmp_path):
@@ -22,9 +25,9 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
                            "--models", str(models)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((out / "gpu_bench.json").read_text())
-    markdown = (out / "gpu_bench.md").read_text()
+    report = (out / "gpu_bench.md").read_text()
     assert results["kernels"] == {"status": "skipped: needs CUDA"}  # the graph's kernel probe: a device's
-    assert "Kernels in a CUDA graph: skipped: needs CUDA." in markdown
+    assert "Kernels in a CUDA graph: skipped: needs CUDA." in report
     for shape in ("qwen1.5-moe", "mixtral-8x7b"):
         block = results["shapes"][shape]
         assert "error" not in block, block.get("trace")
@@ -56,8 +59,8 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
         # two requests (warm-up and timed) and this run's two
         assert adaptive["chooser"]["requests"] == 2 + 2 * len(block["runs"]["specter@0.25"])
         assert "ahead" in adaptive and "chooser" not in block["summary"]["specter-paper@0.25"]
-        assert "* specter@0.25: rounds by K" in markdown
-        assert f"## {shape}" in markdown
+        assert "* specter@0.25: rounds by K" in report
+        assert f"## {shape}" in report
         # the resident step at a second depth (2 layers where the smoke's model has 1): its slope is a layer's
         # cost, its intercept the step's own; the second model's runs are transformers' greedy tokens on it
         slope = block["resident_slope"]
@@ -74,12 +77,9 @@ def test_the_gpu_bench_runs_every_setting_on_a_cpu_and_every_engine_run_is_trans
                                        do_sample=False)
             assert run["tokens"] == want[0, len(run["prompt"]):].tolist()
         assert f"Engine resident per MoE layer: **{slope['per_layer_ms']:.3f} ms** (the slope between its 2- and " \
-               "1-layer steps" in markdown
+               "1-layer steps" in report
         # the weights a resident step reads per layer, at the smoke's shrunk shapes in fp32: the same count
-        assert block["layer_read_bytes"] == _read_bytes(shape, SHRINK[shape], 4)
-
-
-SHRINK = {"qwen1.5-moe": 16, "mixtral-8x7b": 64}  # the smoke's (gpu_bench.py's SMOKE_SHRINK)
+        assert block["layer_read_bytes"] == _read_bytes(shape, SMOKE_SHRINK[shape], 4)
 
 
 def _read_bytes(shape: str, shrink: int, size: int) -> int:
@@ -98,19 +98,13 @@ def _read_bytes(shape: str, shrink: int, size: int) -> int:
 
 @pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen1.5-moe"])
 def test_the_weights_a_resident_step_reads_per_layer_are_the_published_shapes(shape):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_bench import layer_read_bytes
-
     assert layer_read_bytes(shape) == _read_bytes(shape, 1, 2)
-    assert layer_read_bytes(shape, SHRINK[shape], 4) == _read_bytes(shape, SHRINK[shape], 4)
+    assert layer_read_bytes(shape, SMOKE_SHRINK[shape], 4) == _read_bytes(shape, SMOKE_SHRINK[shape], 4)
     if shape == "mixtral-8x7b":  # 2 of 8 experts of 352.3 MB and 84 MB of attention: ~789 MB
         assert round(layer_read_bytes(shape) / 1e6) == 789
 
 
 def test_the_report_puts_the_slope_beside_its_memory_floor():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_bench_report import markdown
-
     kernels = {"status": "ok", "hidden": 2048, "add_us": 2.1, "rms_norm_module_us": 9.0, "rms_norm_engine_us": 5.0,
                "rms_norm_engine_differs": 0.0, "rms_norm_fused_us": 2.2, "rms_norm_fused_differs": 0.01,
                "fused_rms_norm_cuda": True, "gemv_us": 39.0, "gemv_gbps": 3000.0}

@@ -10,7 +10,7 @@ arithmetic) are in docs/profiles.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specter.config import HostConfig
 
@@ -210,6 +210,28 @@ H100_PCIE_FLOPS = 756 * TFLOPS  # dense bf16 tensor peak (NVIDIA H100 PCIe data 
 H100_SXM_FLOPS = 989 * TFLOPS  # dense bf16 tensor peak (NVIDIA H100 SXM data sheet)
 H100_SXM_HBM = 3.35e12  # bytes/s, HBM3 (NVIDIA H100 SXM data sheet)
 
+# The lent H200 (docs/benchmark.md's validation of the as-built clock): its measured link, a 25 % budget
+# as the end-to-end runs there used.
+_LENT_H200 = (
+    Profile("qwen2moe-h200", "Qwen1.5-MoE-A2.7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
+            H200_PINNED, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, H200_HBM, 0.25,
+            24, _QWEN_KV, H200_FLOPS, "qwen2_moe", H200_HOST),
+    Profile("mixtral-h200", "Mixtral-8x7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
+            H200_PINNED, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, H200_HBM, 0.25,
+            32, _MIXTRAL_KV, H200_FLOPS, "mixtral", H200_HOST),
+)
+
+
+def _on_h100(h200: Profile) -> Profile:
+    """A lent H200 profile on the device tool's other kind, "one NVIDIA H100 GPU (about 78 GiB)", taken
+    as the SXM part (its PCIe part has 2.0 TB/s: mixtral-pcie5): its memory and compute; the link and the
+    host the H200 machine's, assumed (both kinds are PCIe 5.0 machines with 16 cores; never run here)."""
+    model = h200.description.split(", H200")[0]
+    return replace(h200, name=h200.name.replace("-h200", "-h100"), hbm_bytes_per_s=H100_SXM_HBM,
+                   gpu_flops=H100_SXM_FLOPS,
+                   description=f"{model}, H100 SXM (3.35 TB/s), PCIe 5.0 x16 55 GB/s as the H200's")
+
+
 # Budgets. DeepSeek-V2-Lite and Qwen1.5-MoE: the published evaluation's main ("high") cases on
 # the A100-40GB, 16 of 64 and 15 of 60 experts resident per layer. Mixtral: what the GPU holds
 # after the dense parts (1.6 B params, 3.3 GB), the int4 draft's experts (256 × 91 MB = 23.3 GB)
@@ -230,23 +252,8 @@ PROFILES: dict[str, Profile] = {
         Profile("qwen2moe-pcie4", "Qwen1.5-MoE-A2.7B bf16, A100-40GB, PCIe 4.0 x16 25 GB/s",
                 25 * GB, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, 1.555e12, 15 / 60,
                 24, _QWEN_KV, A100_FLOPS, "qwen2_moe"),
-        # The lent H200 (docs/benchmark.md's validation of the as-built clock): its measured link, a
-        # 25 % budget as the end-to-end runs there used.
-        Profile("qwen2moe-h200", "Qwen1.5-MoE-A2.7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
-                H200_PINNED, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, H200_HBM, 0.25,
-                24, _QWEN_KV, H200_FLOPS, "qwen2_moe", H200_HOST),
-        Profile("mixtral-h200", "Mixtral-8x7B bf16, H200 (4.8 TB/s), PCIe 5.0 x16 55 GB/s measured",
-                H200_PINNED, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, H200_HBM, 0.25,
-                32, _MIXTRAL_KV, H200_FLOPS, "mixtral", H200_HOST),
-        # The device tool's other kind, "one NVIDIA H100 GPU (about 78 GiB)", taken as the SXM part (its
-        # PCIe part has 2.0 TB/s: mixtral-pcie5). Never run here: the link and the host are the lent
-        # H200 machine's, assumed (both kinds are PCIe 5.0 machines with 16 cores).
-        Profile("qwen2moe-h100", "Qwen1.5-MoE-A2.7B bf16, H100 SXM (3.35 TB/s), PCIe 5.0 x16 55 GB/s as the H200's",
-                H200_PINNED, _QWEN_EXPERT, 4 * 24, _QWEN_ACTIVE, H100_SXM_HBM, 0.25,
-                24, _QWEN_KV, H100_SXM_FLOPS, "qwen2_moe", H200_HOST),
-        Profile("mixtral-h100", "Mixtral-8x7B bf16, H100 SXM (3.35 TB/s), PCIe 5.0 x16 55 GB/s as the H200's",
-                H200_PINNED, _MIXTRAL_EXPERT, 2 * 32, _MIXTRAL_ACTIVE, H100_SXM_HBM, 0.25,
-                32, _MIXTRAL_KV, H100_SXM_FLOPS, "mixtral", H200_HOST),
+        *_LENT_H200,
+        *(_on_h100(p) for p in _LENT_H200),
     )
 }
 

@@ -81,3 +81,17 @@ def test_shipped_self_generated_prompts_come_from_the_calibration_text_only() ->
     for sequence, start in zip(recorder.generated, starts, strict=True):
         assert sequence[:16] == ids[start : start + 16]
         assert len(sequence) == 20
+
+
+def test_a_calibration_text_of_no_tokens_is_an_error_not_a_warning_of_zero(tmp_path, caplog) -> None:
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_text("", encoding="utf-8")
+    short.write_text("def f(x):\n    return x\n", encoding="utf-8")
+    with (caplog.at_level("WARNING", logger="specter.draft.quantize.calibrate"),
+          pytest.raises(ValueError, match="empty.txt encodes to no tokens")):
+        calibration_ids(SHIPPED, empty, 64)
+    assert "gives only" not in caplog.text
+    with caplog.at_level("WARNING", logger="specter.draft.quantize.calibrate"):
+        ids = calibration_ids(SHIPPED, short, 4096)
+    assert 0 < len(ids) < 4096
+    assert f"gives only {len(ids)} tokens (4096 asked)" in caplog.text

@@ -266,8 +266,8 @@ def calibration_ids(
             f"calib_text: {model_dir} has no usable tokenizer to encode {path.name} ({exc})"
         ) from exc
     ids = tokenizer(path.read_text(encoding="utf-8"))["input_ids"][:calib_tokens]
-    if len(ids) < calib_tokens:
-        log.warning("calibration text %s gives only %d tokens (%d asked)", path, len(ids), calib_tokens)
     if not ids:
         raise ValueError(f"calib_text: {path} encodes to no tokens")
+    if len(ids) < calib_tokens:
+        log.warning("calibration text %s gives only %d tokens (%d asked)", path, len(ids), calib_tokens)
     return list(ids)

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Fit the working tree into a lent device's 64 MiB carry (docs/gpu.md), and put it back after:
 #
-#   bash scripts/device_carry.sh pack     # move the trained moe-coarse models and docs/results aside
+#   bash scripts/device_carry.sh pack     # move the trained moe-coarse models, docs/results and docs/images aside
 #   (device calls, carry: ["wheels"])
 #   bash scripts/device_carry.sh unpack   # move them back (run it before any commit)
 #
 # The device tool sends the checkout's tracked and untracked-not-ignored files; the tracked tree is
-# ~88 MiB (four trained checkpoints ~79 MB, docs/results ~6 MB) and the carried wheels ~18 MB. `pack`
-# moves what the device runs never read into the git-ignored .device-stash/ and prints what would
+# ~97 MiB (four trained checkpoints ~79 MB, docs/results ~6 MB, docs/images 0.5 MB) and the carried
+# wheels ~19 MB. `pack` moves what the device runs never read into the git-ignored .device-stash/ and prints what would
 # travel; `unpack` restores it. While packed, `git status` shows the moved files as deleted: unpack
 # before committing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH=.device-stash
-AWAY=(specter/assets/moe-coarse specter/assets/moe-coarse-awq docs/results)
+AWAY=(specter/assets/moe-coarse specter/assets/moe-coarse-awq docs/results docs/images)
 case "${1:-}" in
   pack)
     for path in "${AWAY[@]}"; do

@@ -10,13 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-bench}
-SITE=${SPECTER_WHEELS_SITE:-/tmp/specter-wheels}
-if compgen -G "wheels/*.whl" >/dev/null; then
-  python3 -m pip install --quiet --no-deps --no-index --target "$SITE" wheels/*.whl \
-    || echo "gpu_bench: could not install the carried wheels" >&2
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEVICE_SCRIPT=gpu_bench
+# shellcheck source=scripts/device_env.sh
+source scripts/device_env.sh
 timeout "${GPU_BENCH_TIMEOUT_S:-360}" python3 scripts/gpu_bench.py --out "$OUT" "$@"
 status=$?
 [ "$status" -eq 124 ] && echo "gpu_bench: stopped at ${GPU_BENCH_TIMEOUT_S:-360} s (figures so far in $OUT)" >&2

@@ -42,3 +42,18 @@ def test_an_unknown_probe_is_a_clear_error(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--out", str(tmp_path), "--skip", "cpoy"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown probe(s) cpoy" in run.stderr
+
+
+def test_the_device_session_runs_the_gpu_tests_then_hands_its_arguments_to_the_bench(tmp_path: Path) -> None:
+    """scripts/gpu_session.sh is the one call a lent device gets: on a CPU its tests/gpu stage collects
+    every GPU test and skips it for want of CUDA (a collection error would fail here), and the bench stage
+    receives the arguments: a shape it does not know is refused by name."""
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "SPECTER_WHEELS_SITE": str(tmp_path / "site")}
+    env.pop("SPECTER_WHEELS_READY", None)
+    run = subprocess.run(["bash", str(ROOT / "scripts/gpu_session.sh"), "--smoke", "--shapes", "qwen1.5-moe,nosuch"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    log = (tmp_path / "tests.log").read_text()
+    assert " skipped" in log and "needs CUDA" in log and "error" not in log.lower(), log[-2000:]
+    assert "passed" not in log and "failed" not in log
+    assert "--shapes: unknown nosuch" in run.stderr
+    assert "gpu_session: tests exit 0, bench exit 2" in run.stderr and run.returncode == 2

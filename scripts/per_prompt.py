@@ -6,40 +6,19 @@
 compares medians over prompts; a ratio of medians can sit a few per cent away from how the two policies
 compare on each prompt (the median prompt of one is not the other's). For each profile this prints the
 ratio of medians, the median and geometric mean of the per-prompt ratios, the ratio of the summed TPOTs,
-the range, and on how many prompts the policy was faster or slower by more than 1 %. Ratios are the
-policy's TPOT over the other's: below 1 is faster.
+the range, and on how many prompts the policy was faster or slower by more than 1 %
+(``specter.eval.bench.per_prompt``; the bench prints the geometric mean for ``specter`` against the run's
+fastest other policy under each profile's table). Ratios are the policy's TPOT over the other's: below 1
+is faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from typing import Any
 
-
-def compare(runs: dict[str, list[dict[str, Any]]], policy: str, against: str) -> dict[str, float]:
-    """The per-prompt ratios of ``policy``'s TPOT over ``against``'s, summarised."""
-    for name in (policy, against):
-        if name not in runs:
-            raise ValueError(f"policy {name!r} is not in this run (it has {', '.join(runs)})")
-    mine = [r["tpot_s"] for r in runs[policy]]
-    theirs = [r["tpot_s"] for r in runs[against]]
-    if len(mine) != len(theirs) or not mine:
-        raise ValueError(f"{policy} has {len(mine)} prompts and {against} {len(theirs)}: not one run's pairs")
-    ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
-    return {
-        "prompts": len(ratios),
-        "ratio_of_medians": statistics.median(mine) / statistics.median(theirs),
-        "median_ratio": statistics.median(ratios),
-        "geometric_mean": statistics.geometric_mean(ratios),
-        "ratio_of_sums": sum(mine) / sum(theirs),
-        "best": min(ratios),
-        "worst": max(ratios),
-        "faster": sum(r < 0.99 for r in ratios),
-        "slower": sum(r > 1.01 for r in ratios),
-    }
+from specter.eval.bench import per_prompt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {}
     for name, profile in profiles.items():
         try:
-            summaries[name] = compare(profile["runs"], args.policy, args.against)
+            summaries[name] = per_prompt(profile["runs"], args.policy, args.against)
         except (ValueError, KeyError) as exc:
             parser.error(f"{name}: {exc}")
     print(f"{args.policy} over {args.against}, per prompt (below 1: faster)")

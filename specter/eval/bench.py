@@ -309,6 +309,45 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def per_prompt(runs: dict[str, list[dict]], policy: str, against: str) -> dict[str, float]:
+    """``policy``'s TPOT over ``against``'s prompt by prompt (one run: the same prompts in order): the ratio
+    of medians the table shows beside the median and geometric mean of the per-prompt ratios, the ratio
+    of the summed TPOTs, the range, and how many prompts were faster or slower by more than 1 %."""
+    for name in (policy, against):
+        if name not in runs:
+            raise ValueError(f"policy {name!r} is not in this run (it has {', '.join(runs)})")
+    mine = [r["tpot_s"] for r in runs[policy]]
+    theirs = [r["tpot_s"] for r in runs[against]]
+    if len(mine) != len(theirs) or not mine:
+        raise ValueError(f"{policy} has {len(mine)} prompts and {against} {len(theirs)}: not one run's pairs")
+    ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+    return {
+        "prompts": len(ratios),
+        "ratio_of_medians": statistics.median(mine) / statistics.median(theirs),
+        "median_ratio": statistics.median(ratios),
+        "geometric_mean": statistics.geometric_mean(ratios),
+        "ratio_of_sums": sum(mine) / sum(theirs),
+        "best": min(ratios),
+        "worst": max(ratios),
+        "faster": sum(r < 0.99 for r in ratios),
+        "slower": sum(r > 1.01 for r in ratios),
+    }
+
+
+def _per_prompt_line(runs: dict[str, list[dict]]) -> str | None:
+    """``specter`` against the run's fastest other policy by median (not the oracle, not its own runs through
+    the actors), prompt by prompt; None without both or with a single prompt."""
+    others = {p: statistics.median(r["tpot_s"] for r in items) for p, items in runs.items()
+              if p != "specter" and not p.startswith(("specter@", "oracle")) and items}
+    if "specter" not in runs or not others or len(runs["specter"]) < 2:
+        return None
+    rival = min(others, key=lambda p: others[p])
+    s = per_prompt(runs, "specter", rival)
+    return (f"specter per prompt over {rival} (the fastest other policy): geometric mean {s['geometric_mean']:.3f}x, "
+            f"{s['best']:.2f}-{s['worst']:.2f}x, faster on {s['faster']} and slower on {s['slower']} of "
+            f"{s['prompts']} prompts by more than 1 %")
+
+
 def table(results: dict[str, Any]) -> str:
     """The side-by-side table, one block per profile."""
     lines = []
@@ -335,6 +374,9 @@ def table(results: dict[str, Any]) -> str:
                 lines.append(f"{PIPELINED + suffix}: {gain:.2f}x the TPOT of {ACTORS + suffix}; rounds drafted "
                              f"ahead {piped['ahead_kept']}/{piped['ahead_asked']} stood, {piped['ahead_dropped']} "
                              "draft steps of the others reached the verifier (none of their plans moved a byte)")
+        line = _per_prompt_line(block.get("runs", {}))
+        if line is not None:
+            lines.append(line)
         if block["summary"].get("specter", {}).get("bound_tpot_s") is not None:
             lines.append(f"{'bound':<18}{'':>9}{block['summary']['specter']['bound_tpot_s'] * 1e3:>10.2f}"
                          "   (no schedule of specter's rounds beats it: docs/benchmark.md)")

@@ -128,15 +128,26 @@ def test_a_host_variant_alone_gets_its_k_from_a_scan_not_its_default(tiny_dir):
     assert results["profiles"]["qwen2moe-pcie4"]["summary"]["specter-paper+host"]["window"] in (1, 3)
 
 
-def test_bench_actors_column_runs_specter_through_the_actors(tiny_dir):
+@pytest.mark.parametrize("via", ["ray", "processes"])
+def test_bench_actors_column_runs_specter_through_the_actors(tiny_dir, via):
+    """Through Ray actors, or the same roles as plain processes (``--actors-via processes``: no Ray)."""
     folder = tiny_dir("mixtral")
     config = bench.BenchConfig(str(folder), str(folder), [[3, 17, 25, 9]], ["qwen2moe-pcie4"],
                                policies=["demand-lru", "specter"], windows={"specter": 3}, new_tokens=5,
-                               actors=True, clock="wall")
+                               actors=True, clock="wall", actors_via=via)
+    if via == "processes":
+        import ray
+
+        assert not ray.is_initialized()
     results = bench.run(config, progress=False)
+    assert results["actors_via"] == via
+    if via == "processes":
+        assert not ray.is_initialized()  # no Ray started for them
     runs = results["profiles"]["qwen2moe-pcie4"]["runs"]
     # both draft (a fresh specter drafts its second round) and commit the same tokens; how many
     # rounds each takes after that follows K choices made from wall-clock timings
     assert runs[bench.ACTORS][0]["rounds"] > 0 and runs["specter"][0]["rounds"] > 0
     assert runs[bench.ACTORS][0]["new_tokens"] == runs["specter"][0]["new_tokens"] == 5
-    assert any("actors overhead" in claim for claim, _, _ in bench.bar(results))
+    label = "actors (plain processes) overhead" if via == "processes" else "actors overhead"
+    assert any(label in claim for claim, _, _ in bench.bar(results))
+    assert ("roles as plain processes" in bench.table(results)) == (via == "processes")

@@ -321,6 +321,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--actors-schedule", default="transfer",
                        help="where the actors' schedule runs: transfer (default; next to the copies), verifier, "
                             "or both as 'transfer,verifier' (the second's columns end in -v)")
+    bench.add_argument("--actors-via", choices=("ray", "processes"), default="ray",
+                       help="how the actors' columns run the three roles: ray (default; Ray actors on a local "
+                            "Ray) or processes (plain processes over the same sockets and shared memory, no Ray: "
+                            "what --processes and a lent GPU run)")
     bench.add_argument("--actors-policy", type=_policy, default="specter",
                        help="the policy the actors' columns run (default specter; e.g. specter+fixed for one K, "
                             "so that in process and actors make the same rounds)")

@@ -60,6 +60,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config.k_candidates = (4, 8)
     config.actors, config.actors_policy = args.actors, args.actors_policy
     config.actors_schedules = tuple(args.actors_schedule.split(","))
+    config.actors_via = args.actors_via
     config.clock, config.rho, config.sampling, config.scan_prompts = args.clock, args.rho, sampling, scan
     config.draft_mode, config.graphs = args.draft_mode, args.graphs
     if args.step_s is not None:

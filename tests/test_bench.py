@@ -168,3 +168,14 @@ def test_each_actors_column_is_held_against_the_in_process_run_that_drafts_as_it
     claims = [claim for claim, _, _ in bench.bar(results)]
     assert [c for c in claims if "overhead" in c] == [
         "[a] pipelined actors (plain processes) overhead <= 5% of TPOT (against specter+fixed in process)"]
+
+
+
+def test_the_table_of_a_policy_that_does_not_draft_through_the_actors_has_no_pipelining_line():
+    """``--actors-policy demand-lru``: its pipelined column drafts nothing, so there is no ahead count to print."""
+    row = {"tpot_s": 0.01, "speedup": 1.0, "hit_rate": 0.5, "misses_per_token": 1.0, "mb_per_token": 1.0,
+           "link_busy": 0.5, "recall": 0.0, "accepted": 0.0, "window": 0}
+    summary = {"demand-lru": row, bench.ACTORS: row, bench.PIPELINED: row}
+    text = bench.table({"clock": "wall", "actors_policy": "demand-lru",
+                        "profiles": {"a": {"rho": 1.0, "link_bytes_per_s": 1e6, "summary": summary}}})
+    assert bench.ACTORS in text and "rounds drafted ahead" not in text

@@ -69,11 +69,12 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config.step_s = args.step_s
     _threads(args)
     results = bench.run(config)
+    written = bench.save(results, Path(args.out))  # first: what ran is kept whatever the report does
     print(bench.table(results))
     print()
     for claim, ok, numbers in bench.bar(results):
         print(f"{'PASS' if ok else 'FAIL'}  {claim}: {numbers}")
-    for path in bench.save(results, Path(args.out)):
+    for path in written:
         print(f"wrote {path}")
     return 0
 

@@ -381,7 +381,7 @@ def table(results: dict[str, Any]) -> str:
                          + (f"{s['bound_tpot_s'] * 1e3:>9.2f}" if s.get("bound_tpot_s") is not None else ""))
         for suffix in ("", "-v", "-t"):
             piped, plain = block["summary"].get(PIPELINED + suffix), block["summary"].get(ACTORS + suffix)
-            if piped is not None and plain is not None:
+            if piped is not None and plain is not None and "ahead_asked" in piped:  # a policy that drafts
                 gain = plain["tpot_s"] / piped["tpot_s"]
                 lines.append(f"{PIPELINED + suffix}: {gain:.2f}x the TPOT of {ACTORS + suffix}; rounds drafted "
                              f"ahead {piped['ahead_kept']}/{piped['ahead_asked']} stood, {piped['ahead_dropped']} "

@@ -106,16 +106,22 @@ class TestAClusterWithoutTokens:
             env = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(32))
         prompts = tmp_path / "in.jsonl"
         prompts.write_text('{"id": 1, "prompt": "hi"}\n')
-        for command in (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")],
-                        ["serve", "--port", "0"]):
-            proc = subprocess.run([sys.executable, "-m", "specter.cli", *command, "--address", address],
-                                  capture_output=True, text=True, env=env, timeout=120)
-            assert proc.returncode == 1, proc.stderr[-2000:]
-            errors = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
-            assert len(errors) == 1 and "Traceback" not in proc.stderr and "Check failed" not in proc.stderr, \
-                proc.stderr[-2000:]
+        commands = (["generate", "--prompt-ids", "1,2"], ["batch", str(prompts), "--out", str(tmp_path / "out.jsonl")],
+                    ["serve", "--port", "0"])
+        # the three at once: each is its own process against the same head (a CLI start-up is ~5 s here)
+        procs = [subprocess.Popen([sys.executable, "-m", "specter.cli", *command, "--address", address],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for command in commands]
+        for command, proc in zip(commands, procs, strict=True):
+            try:
+                _, stderr = proc.communicate(timeout=120)
+            finally:
+                proc.kill()
+            assert proc.returncode == 1, (command, stderr[-2000:])
+            errors = [line for line in stderr.splitlines() if line.startswith("specter: error:")]
+            assert len(errors) == 1 and "Traceback" not in stderr and "Check failed" not in stderr, stderr[-2000:]
             assert "runs without token authentication" in errors[0] and "RAY_AUTH_MODE=token ray start --head" in errors[0]
-            assert len(proc.stderr.splitlines()) <= 2  # batch says what it is about to run first
+            assert len(stderr.splitlines()) <= 2  # batch says what it is about to run first
 
 
 @pytest.fixture()

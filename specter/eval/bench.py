@@ -410,10 +410,10 @@ def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
     """The bar Specter must clear, each line (claim, passed, numbers)."""
     checks = []
     at_2x = []
+    policy = results.get("actors_policy", ACTORS_POLICY)  # the actors' columns' (the run's, not a profile's)
+    via = " (plain processes)" if results.get("actors_via") == "processes" else ""
     for name, block in results["profiles"].items():
         s = block["summary"]
-        policy = results.get("actors_policy", ACTORS_POLICY)
-        via = " (plain processes)" if results.get("actors_via") == "processes" else ""
         for column, pipelined, label in ((ACTORS, False, "actors"), (PIPELINED, True, "pipelined actors")):
             reference = _in_process(s, policy, pipelined)  # the same policy in process, drafting as the column does
             if column in s and reference is not None:

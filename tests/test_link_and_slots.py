@@ -4,6 +4,7 @@ the slot pool never evicts what a pass still needs."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -164,10 +165,11 @@ class _Engine:
     """A copy engine for ``PipelinedLink``'s logic on a CPU: copies run in order on a thread of
     their own, each 20 ms, and the test sees what was issued while earlier copies still ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: Any = None) -> None:
         import queue
         import threading
 
+        self.gate = gate  # a threading.Event each copy waits for before it runs (None: none)
         self.jobs: queue.Queue = queue.Queue()
         self.issued: list[tuple[tuple[int, int], int]] = []  # (key, copies not done when it was issued)
         self.done = 0
@@ -176,18 +178,19 @@ class _Engine:
     def _work(self) -> None:
         while True:
             transfer, finished = self.jobs.get()
+            if self.gate is not None:
+                self.gate.wait()
             time.sleep(0.02)
             transfer.dst.copy_(transfer.src)
             self.done += 1
             finished.set()
 
 
-def test_a_pipelined_link_keeps_two_copies_in_flight_and_demand_still_goes_first() -> None:
+def _engine_link(engine: _Engine, in_flight: int):  # type: ignore[no-untyped-def]
+    """A ``PipelinedLink`` whose copies run on ``engine`` (one that refuses expert (9, 9))."""
     import threading
 
     from specter.experts.link import PipelinedLink
-
-    engine = _Engine()
 
     class EngineLink(PipelinedLink):
         name = "testlink"
@@ -204,7 +207,12 @@ def test_a_pipelined_link_keeps_two_copies_in_flight_and_demand_still_goes_first
             handle.wait()
             return 0.02
 
-    link = EngineLink(in_flight=2)
+    return EngineLink(in_flight=in_flight)
+
+
+def test_a_pipelined_link_keeps_two_copies_in_flight_and_demand_still_goes_first() -> None:
+    engine = _Engine()
+    link = _engine_link(engine, 2)
     srcs = [torch.full((4,), float(e)) for e in range(6)]
     dsts = [torch.empty(4) for _ in range(6)]
     prefetches = [link.submit((0, e), e, srcs[e], dsts[e], PREFETCH) for e in range(4)]
@@ -221,8 +229,40 @@ def test_a_pipelined_link_keeps_two_copies_in_flight_and_demand_still_goes_first
     with pytest.raises(LinkError, match=r"expert \(9, 9\) failed: the engine refused it"):
         link.submit((9, 9), 0, srcs[0], dsts[0], DEMAND).wait(60)
     with pytest.raises(ValueError, match="in_flight"):
-        EngineLink(in_flight=0)
+        _engine_link(engine, 0)
     link.close()
+
+
+def test_a_transfer_submitted_while_a_lone_copy_moves_is_issued_behind_it_at_once() -> None:
+    """The copy engine has no gap between two copies when the second is asked for while the first
+    moves (issue 35: busy while a demand is outstanding): it is issued then, not once the first is done."""
+    import threading
+
+    gate = threading.Event()  # no copy finishes until the test opens it
+    engine = _Engine(gate)
+    link = _engine_link(engine, 2)
+    src, dst = torch.ones(4), [torch.empty(4) for _ in range(3)]
+
+    def issued(n: int) -> list[tuple[int, int]]:
+        deadline = time.perf_counter() + 10
+        while len(engine.issued) < n and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        return [key for key, _ in engine.issued]
+
+    first = link.submit((0, 0), 0, src, dst[0], PREFETCH)
+    assert issued(1) == [(0, 0)]  # it moves, nothing queued behind it
+    demand = link.submit((0, 1), 1, src, dst[1], DEMAND)
+    assert issued(2) == [(0, 0), (0, 1)]  # issued while the first still moves, not once it is done
+    third = link.submit((0, 2), 2, src, dst[2], DEMAND)  # two in flight: it waits for room
+    time.sleep(0.01)
+    assert len(engine.issued) == 2
+    gate.set()
+    for transfer in (first, demand, third):
+        transfer.wait(60)
+    assert [key for key, _ in engine.issued] == [(0, 0), (0, 1), (0, 2)] and link.transfers == 3
+    assert max(ahead for _, ahead in engine.issued) <= 1  # never more than two in flight
+    link.close()
+    assert not link._thread.is_alive() and not link._finisher.is_alive()
 
 
 @pytest.mark.parametrize(("groups", "whole"), [({-1: 12}, [0, 1, 2]), ({-1: 7}, []), ({0: 3, 1: 2, 2: 4}, [2])])

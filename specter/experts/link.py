@@ -1,4 +1,5 @@
-"""The host→device link: one worker thread moves expert blobs into slots, one transfer at a time.
+"""The host→device link: a worker thread moves expert blobs into slots, one transfer at a time
+(``PipelinedLink``: up to ``in_flight`` issued to a copy engine, a second thread waiting for them).
 
 ``CudaLink`` copies pinned host blobs on a dedicated copy stream; ``SimulatedLink`` copies on the
 CPU and then holds the transfer until ``latency + bytes / bandwidth`` has passed since it started,
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ class Transfer:
 
 
 class Link:
-    """Base class: a priority queue drained by one worker thread; subclasses do the copy."""
+    """Base class: a priority queue drained by one worker thread (``_run``); subclasses do the copy."""
 
     name = "link"
 
@@ -255,11 +256,13 @@ class SimulatedLink(Link):
 
 class PipelinedLink(Link):
     """A link whose copies are issued to an engine that runs them in order on its own, up to
-    ``in_flight`` at a time: the worker issues the next transfers while the oldest is still
-    moving, and only then waits for it, so consecutive copies run back to back instead of each
-    waiting for a host round trip. Transfers not issued yet stay in the priority queue (a demand
-    still jumps every queued prefetch; an issued one can no longer be cancelled). Subclasses
-    implement ``_issue`` and ``_complete``.
+    ``in_flight`` at a time, so consecutive copies run back to back instead of each waiting for a
+    host round trip. Two threads: one issues (``_run``: the most urgent queued transfer, as soon as
+    fewer than ``in_flight`` are issued and not done), one waits for the issued copies in order
+    (``_finish``). A transfer submitted while a copy moves is therefore issued at once, behind it
+    on the engine, not when that copy is done: the engine has no gap between them. Transfers not
+    issued yet stay in the priority queue (a demand still jumps every queued prefetch; an issued
+    one can no longer be cancelled). Subclasses implement ``_issue`` and ``_complete``.
 
     Args:
         in_flight: transfers issued and not yet completed, at most (1: one at a time).
@@ -269,29 +272,44 @@ class PipelinedLink(Link):
         if in_flight < 1:
             raise ValueError(f"in_flight: must be >= 1, got {in_flight}")
         self.in_flight = in_flight
+        self._room = threading.Semaphore(in_flight)  # issued and not done: fewer than in_flight
+        self._issued: queue.SimpleQueue[tuple[Transfer, Any] | None] = queue.SimpleQueue()
+        self._last: Transfer | None = None  # the latest issued
         super().__init__()
 
+    def _start_worker(self) -> None:
+        self._finisher = threading.Thread(target=self._finish, name=f"specter-{self.name}-done", daemon=True)
+        self._finisher.start()
+        super()._start_worker()
+
     def _run(self) -> None:
-        issued: deque[tuple[Transfer, Any]] = deque()
-        while True:
-            while len(issued) < self.in_flight:
-                transfer = self._next(block=not issued)  # wait for work only when nothing moves
+        """Issue transfers, most urgent first, while fewer than ``in_flight`` are not done."""
+        try:
+            while True:
+                self._room.acquire()
+                transfer = self._next()
                 if transfer is None:
-                    break
-                if issued:  # it lands after the ones before it on the engine
-                    ahead = issued[-1][0]
+                    return
+                ahead = self._last
+                if ahead is not None and not ahead.done.is_set():  # it lands after the one before it on the engine
                     transfer.started_at = max(transfer.started_at, ahead.started_at + self.estimate_s(ahead.nbytes))
                 try:
-                    issued.append((transfer, self._issue(transfer)))
+                    handle = self._issue(transfer)
                 except BaseException as exc:  # reported to the waiter, never kills the thread
                     transfer.error = exc
                     transfer.copied.set()
                     transfer.done.set()
-            if not issued:
-                if self._closed:
-                    return
-                continue
-            transfer, handle = issued.popleft()
+                    self._room.release()
+                    continue
+                self._last = transfer
+                self._issued.put((transfer, handle))
+        finally:
+            self._issued.put(None)  # the finisher ends after the copies issued before it
+
+    def _finish(self) -> None:
+        """Wait for each issued copy in order; count it, mark it done, make room for the next."""
+        while (item := self._issued.get()) is not None:
+            transfer, handle = item
             busy = 0.0
             try:
                 busy = self._complete(transfer, handle)
@@ -300,6 +318,11 @@ class PipelinedLink(Link):
             self._count(transfer, busy)
             transfer.copied.set()
             transfer.done.set()
+            self._room.release()
+
+    def close(self) -> None:
+        super().close()
+        self._finisher.join(timeout=5)
 
     def _issue(self, transfer: Transfer) -> Any:
         """Hand the copy to the engine (asynchronously); returns what ``_complete`` waits on."""

@@ -216,6 +216,5 @@ def trace_bound(target: OffloadedTarget, trace: Trace, costs: CostModel) -> floa
 
 
 def link_state(target: OffloadedTarget) -> tuple[int, float, int]:
-    """The target's link counters: bytes moved, busy seconds, transfers."""
-    link = target.link
-    return link.bytes_moved, link.busy_s, link.transfers
+    """The target's link counters: bytes moved, busy seconds, transfers (one snapshot: ``Link.counts``)."""
+    return target.link.counts()

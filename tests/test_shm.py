@@ -281,3 +281,63 @@ if __name__ == "__main__":
     print(
         f"shm ping-pong (write 8 KiB + publish, peer waits and answers): p50 {pct[50]:.0f} µs, p90 {pct[90]:.0f} µs, p99 {pct[99]:.0f} µs"
     )
+
+
+# -- the link counters: bytes, busy seconds and transfers read together ---------------------------
+
+
+def test_the_link_counters_are_never_read_half_added() -> None:
+    """A reader in another process sees the three counters of one moment: never a transfer's bytes without its
+    count (a request's stats once showed one transfer more than its bytes), while the writer adds from two
+    threads as a CUDA link's issuing and finishing threads do."""
+    import threading
+
+    from specter.remote.counters import SharedCounters
+
+    prefix = new_prefix("spt-count")
+    counters = SharedCounters(prefix, create=True)
+    stop = threading.Event()
+
+    def add(nbytes: int) -> None:
+        while not stop.is_set():
+            counters.add(nbytes, 1e-6)
+
+    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from specter.remote.counters import SharedCounters
+        counters, torn, reads = SharedCounters({prefix!r}, create=False), 0, 0
+        end = time.perf_counter() + 1.0
+        while time.perf_counter() < end:
+            moved, _, transfers = counters.read()
+            torn += moved != 1000 * transfers
+            reads += 1
+        print(torn, reads, flush=True)
+    """)], stdout=subprocess.PIPE, text=True)
+    writers = [threading.Thread(target=add, args=(1000,)) for _ in range(2)]
+    try:
+        for writer in writers:
+            writer.start()
+        out, _ = reader.communicate(timeout=60)
+    finally:
+        stop.set()
+        for writer in writers:
+            writer.join()
+    torn, reads = map(int, out.split())
+    moved, _, transfers = counters.read()
+    counters.close()
+    assert reads > 100 and transfers > 100
+    assert torn == 0 and moved == 1000 * transfers  # and no add lost between the two threads
+
+
+def test_a_writer_killed_while_adding_does_not_hang_a_reader() -> None:
+    from specter.remote.counters import SEQ, TORN_WAIT_S, SharedCounters
+
+    counters = SharedCounters(new_prefix("spt-count"), create=True)
+    try:
+        counters.add(18432, 0.5)
+        counters._words[SEQ] += 1  # a writer between its two sequence numbers, for good
+        t0 = time.perf_counter()
+        assert counters.read() == (18432, 0.5, 1)
+        assert TORN_WAIT_S <= time.perf_counter() - t0 < 10
+    finally:
+        counters.close()

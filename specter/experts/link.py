@@ -77,6 +77,7 @@ class Link:
         self._cond = threading.Condition()
         self._closed = False
         self._current: Transfer | None = None  # the transfer being moved now
+        self._counts_lock = threading.Lock()  # the three counters change together (``counts``)
         self._start_worker()
 
     def _start_worker(self) -> None:
@@ -177,9 +178,16 @@ class Link:
 
     def _count(self, transfer: Transfer, busy: float) -> None:
         """One finished transfer in the link's counters."""
-        self.busy_s += busy
-        self.bytes_moved += transfer.nbytes
-        self.transfers += 1
+        with self._counts_lock:
+            self.busy_s += busy
+            self.bytes_moved += transfer.nbytes
+            self.transfers += 1
+
+    def counts(self) -> tuple[int, float, int]:
+        """``(bytes_moved, busy_s, transfers)`` at one moment: never a transfer's bytes without its count
+        (the link's thread counts while the caller reads)."""
+        with self._counts_lock:
+            return self.bytes_moved, self.busy_s, self.transfers
 
     def _move(self, transfer: Transfer) -> float | None:
         """Move one blob; returns the link's busy seconds for it (None: the time the call took)."""

@@ -1,20 +1,29 @@
 """The transfer side's link counters, mirrored into a small shared-memory segment.
 
-Four float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
-transfers done, and when the transfer moving now is due to land (``time.perf_counter`` seconds:
-``CLOCK_MONOTONIC``, one clock for every process of the machine). One writer (the transfer actor's
-copy thread: the due time when a copy starts, the rest before it publishes a slot) and any number of
+Five float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
+transfers done, when the transfer moving now is due to land (``time.perf_counter`` seconds:
+``CLOCK_MONOTONIC``, one clock for every process of the machine), and a sequence number. One writing
+process (the transfer actor's link threads: the due time when a copy starts, the rest before it
+publishes a slot; on a CUDA link also the copy engine's seconds once a copy is done) and any number of
 readers (the verifier's ``RemoteLink``), so a reader that has seen an expert land also sees the
-counters that include it, and can tell, as in process, when the link is free again. Named under the slots' prefix so ``unlink_prefix`` removes it.
+counters that include it, and can tell, as in process, when the link is free again. The first three
+change together: a writer takes a lock and makes the sequence number odd while it adds, and ``read``
+retries until it copied them between two equal even sequence numbers (a seqlock), so no reader sees a
+transfer's bytes without its count. Named under the slots' prefix so ``unlink_prefix`` removes it.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 
 from specter.remote.segments import attach_shared, fence, open_shared, shm_unlink
 
-WORDS = 4  # bytes moved, busy seconds, transfers, due time of the transfer moving now
+WORDS = 5  # bytes moved, busy seconds, transfers, due time of the transfer moving now, sequence number
+SEQ = 4
+TORN_WAIT_S = 0.05  # how long ``read`` retries while a writer is adding
 
 
 class SharedCounters:
@@ -30,15 +39,22 @@ class SharedCounters:
         self.owner = create
         self._shm = open_shared(self.name, 8 * WORDS) if create else attach_shared(self.name)
         self._words = np.ndarray((WORDS,), dtype="<f8", buffer=self._shm.buf)
+        self._write = threading.Lock()  # the writing process's threads add one at a time
         if create:
             self._words[:] = 0.0
 
     def add(self, nbytes: int, busy_s: float, transfers: int = 1) -> None:
         """Count one finished transfer (writer side only)."""
-        self._words[0] += nbytes
-        self._words[1] += busy_s
-        self._words[2] += transfers
-        fence()
+        with self._write:
+            seq = self._words[SEQ]
+            self._words[SEQ] = seq + 1  # odd: the counters are changing
+            fence()
+            self._words[0] += nbytes
+            self._words[1] += busy_s
+            self._words[2] += transfers
+            fence()
+            self._words[SEQ] = seq + 2
+            fence()
 
     def moving(self, due: float) -> None:
         """The transfer that starts now is due to land at ``due`` (writer side only)."""
@@ -51,10 +67,17 @@ class SharedCounters:
         return float(self._words[3])
 
     def read(self) -> tuple[int, float, int]:
-        """``(bytes_moved, busy_s, transfers)`` now."""
-        fence()
-        words = self._words[:3].copy()
-        return int(words[0]), float(words[1]), int(words[2])
+        """``(bytes_moved, busy_s, transfers)`` now, all three from the same moment (a writer killed between
+        its two sequence numbers would leave them odd for good: after ``TORN_WAIT_S`` the copy is taken as is)."""
+        end = time.perf_counter() + TORN_WAIT_S
+        while True:
+            fence()
+            seq = self._words[SEQ]
+            words = self._words[:3].copy()
+            fence()
+            if (seq % 2 == 0 and self._words[SEQ] == seq) or time.perf_counter() > end:
+                return int(words[0]), float(words[1]), int(words[2])
+            time.sleep(0)  # a writer is between its two sequence numbers: a few µs
 
     def unlink(self) -> None:
         """Remove the name (the mappings stay valid); idempotent."""

@@ -147,6 +147,10 @@ class RemoteLink(Link):
     def transfers(self) -> int:  # type: ignore[override]
         return self.counters.read()[2]
 
+    def counts(self) -> tuple[int, float, int]:
+        """``(bytes_moved, busy_s, transfers)`` from one read of the shared counters."""
+        return self.counters.read()
+
     def estimate_s(self, nbytes: int) -> float:
         """Seconds one transfer takes: the simulated link's own time (0 while untimed), else measured."""
         if self.model is None:

@@ -29,7 +29,8 @@ differing per repeat), with medians over ``--repeats``:
   process's copy stream writes the slots the verifier reads by CUDA IPC. One replica per shape serves
   them all (launched once, before the discarded pass); its rows add the TPOT ratio to the same policy
   in process and, for ``demand-lru`` (every copy a demand), the copy engine's busy share of the time a
-  demand copy was queued or moving. Each of these runs first makes ready, in the verifier and the
+  demand copy was queued or moving, and for every policy the mean wall time from a demand being asked for
+  to its copy being issued on the stream (``demand_issue_us``: where that share's idle time goes). Each of these runs first makes ready, in the verifier and the
   draft process, every token count its rounds can use (``ProcessEngine.prepare_steps``), as in process.
 
 Beside the rows, the resident step at a second depth (``engine-depth``: a model of half the layers, or
@@ -507,6 +508,9 @@ class Runner:
         outstanding = after.get("demand_outstanding_s", 0.0) - before.get("demand_outstanding_s", 0.0)
         if policy == "demand-lru" and outstanding > 0:  # every copy a demand: busy over outstanding is the share
             row["busy_while_demanded"] = (after["busy_s"] - before["busy_s"]) / outstanding
+        issued = after.get("demands_issued", 0) - before.get("demands_issued", 0)
+        if issued > 0:  # how long a demand waited to be issued on the copy stream, on average
+            row["demand_issue_us"] = (after["demand_issue_s"] - before["demand_issue_s"]) / issued * 1e6
         return row
 
     def _transformers(self, prompt: list[int], new_tokens: int) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def markdown(results: dict[str, Any]) -> str:
                 accepted += f" ({row['plain_share']:.0%} plain)"
             lines.append(f"| {name} | {row['tpot_ms']:.2f} | {ratio} | {accepted} | {row.get('hit_rate', 1.0):.2f} "
                          f"| {row.get('link_busy', 0.0):.2f} | {row.get('reads_per_layer_token', 0.0):.2f} "
-                         f"| {_figure(row, 'vs_in_process', '{:.2f}x')} | {_figure(row, 'busy_while_demanded', '{:.0%}')} |")
+                         f"| {_figure(row, 'vs_in_process', '{:.2f}x')} | {_figure(row, 'busy_while_demanded', '{:.0%}')}"
+                         f"{_figure(row, 'demand_issue_us', ' (issued after {:.0f} µs)', '')} |")
         lines += _chooser_lines(block["summary"])
         slope = block.get("resident_slope")
         if slope:
@@ -93,5 +94,5 @@ def _chooser_lines(summary: dict[str, Any]) -> list[str]:
     return ([""] + lines + [""] if lines else [])
 
 
-def _figure(row: dict[str, Any], key: str, form: str) -> str:
-    return form.format(row[key]) if key in row else "-"
+def _figure(row: dict[str, Any], key: str, form: str, missing: str = "-") -> str:
+    return form.format(row[key]) if key in row else missing

@@ -61,6 +61,12 @@ class CudaSlotWriterLink(PipelinedLink):
     published, busy seconds from CUDA timing events around the copy alone once it is done. The link
     model's ``timed`` switch (``LinkTiming``) has nothing to switch here: copies take what they take.
 
+    Two figures say where a demand's time goes before its bytes move: ``demand_outstanding_s`` (wall
+    seconds during which some demand copy was queued or moving: the copy engine's busy seconds over it
+    is its share of that time) and ``demand_issue_s`` over ``demands_issued`` (the mean wall time from a
+    demand being asked for — submitted as one, or a prefetch promoted — to its copy being issued on the
+    stream: the command's hand-off to the copy thread, a pinned slot, the copies ahead of it).
+
     Args:
         slots: the shared slots (created by this process, on the device).
         counters: the shared counters.
@@ -79,6 +85,9 @@ class CudaSlotWriterLink(PipelinedLink):
         self.demand_outstanding_s = 0.0  # wall seconds during which a timed demand copy was queued or moving
         self._demands: weakref.WeakSet[Transfer] = weakref.WeakSet()  # those queued or moving now
         self._outstanding_since = 0.0
+        self.demand_issue_s = 0.0  # wall seconds from a demand being asked for to its copy issued, summed
+        self.demands_issued = 0
+        self._promoted: weakref.WeakKeyDictionary[Transfer, float] = weakref.WeakKeyDictionary()  # prefetch → when made a demand
         super().__init__(in_flight)
 
     def submit(self, key: tuple[int, int], slot: int, src: torch.Tensor, dst: torch.Tensor, priority: int,
@@ -89,7 +98,11 @@ class CudaSlotWriterLink(PipelinedLink):
         return transfer
 
     def promote(self, transfer: Transfer) -> None:
+        if transfer.priority != DEMAND:
+            self._promoted[transfer] = time.perf_counter()  # before: the copy thread may issue it at once
         super().promote(transfer)
+        if transfer.priority != DEMAND:  # it had started: never a demand
+            self._promoted.pop(transfer, None)
         if transfer.priority == DEMAND and not transfer.done.is_set():
             self._outstanding(transfer, True)
 
@@ -125,6 +138,9 @@ class CudaSlotWriterLink(PipelinedLink):
         published, handle = None, None
         try:
             self.slots.wait_reader(transfer.slot, self.copies.stream)  # the kernels that last read the slot
+            if transfer.priority == DEMAND and transfer not in self.untimed:  # asked for at submit, or when promoted
+                self.demand_issue_s += time.perf_counter() - self._promoted.pop(transfer, transfer.submitted)
+                self.demands_issued += 1
             handle = self.copies.copy(transfer.dst, transfer.src)
             published = transfer.key
         except BaseException:

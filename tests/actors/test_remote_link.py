@@ -342,6 +342,7 @@ def test_the_cuda_link_waits_for_the_last_reader_then_copies_records_and_publish
     assert log[5][0] == "copy done"
     # the demand was outstanding from its submit until its copy was done: at least the copy's time
     assert server.link.demand_outstanding_s >= COPY_S * 0.9
+    assert server.link.demands_issued == 1 and 0 <= server.link.demand_issue_s < server.link.demand_outstanding_s
 
 
 def test_the_cuda_link_claims_a_pinned_slot_only_after_its_reader_recorded_the_reader_event(cuda_link) -> None:
@@ -355,7 +356,29 @@ def test_the_cuda_link_claims_a_pinned_slot_only_after_its_reader_recorded_the_r
     slots.release(4)  # records the reader event, then unpins
     transfer.wait(HANG_S)
     assert log.index(("mark_read", 4)) < log.index(("claim", 4)) < log.index(("wait_reader", 4, "copy-stream"))
+    assert server.link.demands_issued == 1 and server.link.demand_issue_s >= 0.2  # it waited for the pinned slot
     assert torch.equal(slots.storage[4], torch.full((SHAPE.numel,), 3.0))
+
+
+def test_the_cuda_link_times_a_promoted_prefetch_as_a_demand_from_its_promotion(cuda_link) -> None:
+    """``demand_issue_s`` runs from when a demand is asked for: a prefetch promoted while queued counts from its
+    promotion, not its submit; one the copy thread had already taken stays a prefetch."""
+    remote, server, _ = cuda_link
+    slots = remote.slots
+    _, seq = slots.read(4)
+    assert slots.try_pin(4, seq)  # the verifier computes with slot 4
+    taken = remote.submit((0, 3), 4, torch.empty(0), slots.storage[4], PREFETCH)
+    time.sleep(0.1)  # the copy thread has taken it and waits for the pinned slot: nothing behind it is issued
+    queued = remote.submit((1, 3), 5, torch.empty(0), slots.storage[5], PREFETCH)
+    time.sleep(0.5)
+    remote.promote(taken)
+    remote.promote(queued)
+    time.sleep(0.05)
+    slots.release(4)
+    for transfer in (taken, queued):
+        transfer.wait(HANG_S)
+    assert server.link.demands_issued == 1  # the promoted one; the one already taken was not made a demand
+    assert 0.04 <= server.link.demand_issue_s < 0.4  # from its promotion (from its submit it would be >= 0.55)
 
 
 def test_the_cuda_link_counts_no_initial_fill_and_two_copies_are_in_flight(cuda_link) -> None:
@@ -369,6 +392,7 @@ def test_the_cuda_link_counts_no_initial_fill_and_two_copies_are_in_flight(cuda_
     remote.submit((0, 2), 2, torch.empty(0), slots.storage[2], PREFETCH).wait(HANG_S)
     _until(lambda: remote.busy_s > 0)
     assert server.link.demand_outstanding_s == 0.0  # a prefetch is not a demand
+    assert (server.link.demands_issued, server.link.demand_issue_s) == (0, 0.0)
     assert server.link.in_flight == 2
     remote.timed = False  # accepted (nothing to switch on a real link)
     _until(lambda: not server.link.timed)

@@ -150,12 +150,15 @@ class TransferRole:
 
     def counters(self) -> dict[str, float]:
         """Link counters (also mirrored in shared memory for the verifier); on a CUDA link also
-        ``demand_outstanding_s``: wall seconds during which a demand copy was queued or moving."""
+        ``demand_outstanding_s`` (wall seconds during which a demand copy was queued or moving),
+        ``demand_issue_s`` and ``demands_issued`` (wall seconds from a demand being asked for to its
+        copy being issued, summed, and how many: ``CudaSlotWriterLink``)."""
         moved, busy, transfers = self.shared_counters.read()
         counters = {"bytes_moved": moved, "busy_s": busy, "transfers": transfers, "rejected": self.server.rejected}
-        outstanding = getattr(self.server.link, "demand_outstanding_s", None)
-        if outstanding is not None:
-            counters["demand_outstanding_s"] = outstanding
+        for name in ("demand_outstanding_s", "demand_issue_s", "demands_issued"):
+            value = getattr(self.server.link, name, None)
+            if value is not None:
+                counters[name] = value
         return counters
 
     def close(self) -> list[str]:

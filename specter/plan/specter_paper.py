@@ -71,9 +71,9 @@ class SpecterPaper(Policy):
         """EMA of the bandwidth the link actually delivered since the last round."""
         if self.offload is None:
             return
-        link = self.offload.link
-        moved, busy = link.bytes_moved - self._link_mark[0], link.busy_s - self._link_mark[1]
-        self._link_mark = (link.bytes_moved, link.busy_s)
+        now_moved, now_busy, _ = self.offload.link.counts()  # one moment: a copy may finish meanwhile
+        moved, busy = now_moved - self._link_mark[0], now_busy - self._link_mark[1]
+        self._link_mark = (now_moved, now_busy)
         if moved > 0 and busy > 0:
             self.bandwidth = _ema(self.bandwidth, moved / busy)
 

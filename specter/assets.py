@@ -6,4 +6,5 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "moe-fine"
+DEFAULT_DRAFT = ASSETS / "moe-fine-awq"  # its AWQ int4 draft (``specter quantize``)
 COARSE_MODEL = ASSETS / "moe-coarse"

@@ -94,3 +94,18 @@ def test_threads_flag_sets_torch_threads_and_the_default_leaves_the_link_a_core(
     assert compute_threads() == 5
     with pytest.raises(ValueError, match="threads"):
         compute_threads(0)
+
+
+def test_the_embedded_model_drafts_with_its_shipped_draft_unless_told_otherwise(tiny_dir, capsys):
+    """README: ``--draft`` defaults, for the embedded model, to its shipped AWQ draft when the run drafts;
+    another model's drafting run still has to name its draft."""
+    argv = ["generate", "--prompt-ids", "5,99,17,42", "--max-new-tokens", "4", "--link", "sim:2,5", "--json"]
+    assert main(argv + ["--policy", "specter+fixed", "--window", "2"]) == 0
+    drafted = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(argv) == 0  # demand-lru: no draft loaded, none needed
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert drafted["tokens"] == plain["tokens"]  # lossless
+    assert drafted["stats"]["rounds"] > 0 and drafted["stats"]["drafted"] > 0 and plain["stats"]["drafted"] == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2", "--policy", "specter"])
+    assert exc.value.code == 2 and "--draft" in capsys.readouterr().err

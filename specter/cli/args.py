@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     gen.add_argument("--draft", default=None,
                      help="draft folder: an AWQ draft from `specter quantize`, a published AutoAWQ / GPTQ / "
-                     "compressed-tensors int4 checkpoint of the model, or any full-precision checkpoint")
+                     "compressed-tensors int4 checkpoint of the model, or any full-precision checkpoint "
+                     "(default: for the embedded model, its shipped AWQ draft when the run drafts)")
     gen.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     gen.add_argument("--window", type=int, default=None,
                      help="draft tokens per round K, 1..64 (default: the policy's own; 0 for no-draft policies); "
@@ -198,7 +199,8 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--out", required=True, help="results JSONL (appended; finished ids are skipped)")
     batch.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
     batch.add_argument("--draft", default=None, help="draft folder (from specter quantize, a published AutoAWQ / "
-                       "GPTQ / compressed-tensors int4 checkpoint, or full precision)")
+                       "GPTQ / compressed-tensors int4 checkpoint, or full precision; default: for the embedded "
+                       "model, its shipped AWQ draft when the run drafts)")
     batch.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     _add_pipeline(batch)
     batch.add_argument("--window", type=int, default=None,
@@ -254,7 +256,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                     "request. Ctrl-C stops it. See docs/serving.md.",
     )
     serve.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder (default: embedded moe-fine)")
-    serve.add_argument("--draft", default=None, help="draft folder (for the speculative policies)")
+    serve.add_argument("--draft", default=None, help="draft folder (for the speculative policies; default: for the "
+                       "embedded model, its shipped AWQ draft when the policy drafts)")
     serve.add_argument("--policy", default="demand-lru", type=_policy, help=_POLICY_HELP)
     serve.add_argument("--budget", type=_fraction, default=None,
                        help="device expert slots as a fraction of all routed experts, 0 < F <= 1 (default 0.5)")

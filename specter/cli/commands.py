@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specter.assets import DEFAULT_DRAFT, DEFAULT_MODEL
 from specter.cli.args import DTYPES
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
 from specter.draft.loading import check_draft_matches, load_draft
@@ -53,7 +54,17 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
     return timing
 
 
+def default_draft(args: argparse.Namespace) -> None:
+    """The embedded model's shipped AWQ draft where a run that drafts (a drafting policy, or ``--window`` > 0)
+    names no ``--draft``; another model still needs one named."""
+    if args.draft is not None or Path(args.model).resolve() != DEFAULT_MODEL:
+        return
+    if drafts(args.policy) or (getattr(args, "window", None) or 0) > 0:
+        args.draft = str(DEFAULT_DRAFT)
+
+
 def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    default_draft(args)
     needs_draft = drafts(args.policy)
     default = policy_class(args.policy).default_window
     window = args.window if args.window is not None else (default if args.draft else 0)
@@ -213,6 +224,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      f"(or set {API_KEY_ENV}) so that only clients with the key are answered")
     model = resolve_model_dir(args.model)
     config = read_config_dict(model)
+    default_draft(args)
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)), config)
     if drafts(args.policy) and args.draft is None:

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: checkpoint's)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: fp32 on a CPU, the checkpoint's on a GPU)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")

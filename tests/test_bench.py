@@ -157,17 +157,31 @@ def test_each_actors_column_is_held_against_the_in_process_run_that_drafts_as_it
     """``specter@actors`` drafts each round after the last (unpipelined), ``specter@pipelined`` during the verify
     pass, as the in-process engine does by default: each column's overhead is against its own kind."""
     summary = {"specter+fixed": {"tpot_s": 0.010, "ahead_asked": 40}, "specter+fixed+nopipe": {"tpot_s": 0.014},
-               bench.ACTORS: {"tpot_s": 0.0144}, bench.PIPELINED: {"tpot_s": 0.0099}}
+               "specter+fixed@actors": {"tpot_s": 0.0144}, "specter+fixed@pipelined": {"tpot_s": 0.0099}}
     results = {"actors_policy": "specter+fixed", "actors_via": "processes", "profiles": {"a": {"summary": summary}}}
     checks = {claim: (ok, numbers) for claim, ok, numbers in bench.bar(results)}
     assert checks["[a] actors (plain processes) overhead <= 5% of TPOT (against specter+fixed+nopipe in process)"] == \
         (True, "+2.9%")
     assert checks["[a] pipelined actors (plain processes) overhead <= 5% of TPOT (against specter+fixed in process)"] == \
         (True, "-1.0%")
+    legacy = {"specter@actors" if k.endswith("@actors") else "specter@pipelined" if "@" in k else k: v
+              for k, v in summary.items()}  # results of 2026-12-06 and before: "specter@…" whatever the policy
+    assert [(c, ok, n) for c, ok, n in bench.bar({**results, "profiles": {"a": {"summary": legacy}}})] == \
+        [(c, ok, n) for c, ok, n in bench.bar(results)]
     del summary["specter+fixed+nopipe"]  # no unpipelined run in process: the unpipelined column is held against nothing
     claims = [claim for claim, _, _ in bench.bar(results)]
     assert [c for c in claims if "overhead" in c] == [
         "[a] pipelined actors (plain processes) overhead <= 5% of TPOT (against specter+fixed in process)"]
+
+
+def test_the_actors_columns_are_named_by_the_policy_they_run():
+    config = bench.BenchConfig("m", "d", [[1]], ["qwen2moe-pcie4"], actors=True, actors_policy="demand-lru",
+                               actors_schedules=("transfer", "verifier"))
+    assert bench.actor_columns(config) == [("demand-lru@actors", "transfer", False),
+                                           ("demand-lru@pipelined", "transfer", True),
+                                           ("demand-lru@actors-v", "verifier", False),
+                                           ("demand-lru@pipelined-v", "verifier", True)]
+    assert (bench.ACTORS, bench.PIPELINED) == ("specter@actors", "specter@pipelined")  # the default policy's
 
 
 
@@ -175,7 +189,9 @@ def test_the_table_of_a_policy_that_does_not_draft_through_the_actors_has_no_pip
     """``--actors-policy demand-lru``: its pipelined column drafts nothing, so there is no ahead count to print."""
     row = {"tpot_s": 0.01, "speedup": 1.0, "hit_rate": 0.5, "misses_per_token": 1.0, "mb_per_token": 1.0,
            "link_busy": 0.5, "recall": 0.0, "accepted": 0.0, "window": 0}
-    summary = {"demand-lru": row, bench.ACTORS: row, bench.PIPELINED: row}
+    summary = {"demand-lru": row, "demand-lru@actors": row, "demand-lru@pipelined": row}
     text = bench.table({"clock": "wall", "actors_policy": "demand-lru",
                         "profiles": {"a": {"rho": 1.0, "link_bytes_per_s": 1e6, "summary": summary}}})
-    assert bench.ACTORS in text and "rounds drafted ahead" not in text
+    assert "demand-lru@pipelined " in text and "rounds drafted ahead" not in text
+    rows = [line for line in text.splitlines() if line.startswith(("policy", "demand-lru"))]
+    assert len({line.index(" 0 ") for line in rows[1:]}) == 1  # the columns line up past the longest name

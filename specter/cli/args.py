@@ -319,8 +319,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",
-                       help="add 'specter@actors' and 'specter@pipelined' columns: specter through the Ray actors, "
-                            "same prompts, without and with pipelined drafting")
+                       help="add 'POLICY@actors' and 'POLICY@pipelined' columns (POLICY: --actors-policy, default "
+                            "specter): it through the three roles, same prompts, without and with pipelined drafting")
     bench.add_argument("--actors-schedule", default="transfer",
                        help="where the actors' schedule runs: transfer (default; next to the copies), verifier, "
                             "or both as 'transfer,verifier' (the second's columns end in -v)")

@@ -31,9 +31,18 @@ log = logging.getLogger(__name__)
 GRAPHS_DISPATCH = "h200-graphs"  # ``graphs``: the calibration of the engine with CUDA graphs (timing/dispatch.py)
 FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock (a timed choice varies tokens)
 BASELINE = "demand-lru"
-ACTORS = "specter@actors"
-PIPELINED = "specter@pipelined"  # the same through the actors, each next round drafted during the verify pass
 ACTORS_POLICY = "specter"  # the full policy, host compute included, through the three actors
+
+
+def actors_column(policy: str, pipelined: bool, suffix: str = "") -> str:
+    """The column of ``policy`` run through the three roles: ``POLICY@actors`` (each round drafted after the
+    last) or ``POLICY@pipelined`` (each next round drafted during the verify pass); ``suffix`` names a
+    schedule after the first (``-v``: in the verifier)."""
+    return f"{policy}@{'pipelined' if pipelined else 'actors'}{suffix}"
+
+
+ACTORS = actors_column(ACTORS_POLICY, False)  # "specter@actors"
+PIPELINED = actors_column(ACTORS_POLICY, True)  # "specter@pipelined"
 SCHEDULES = ("transfer", "verifier")  # where the actors' schedule runs (actors/verifier.py)
 ACTORS_VIA = ("ray", "processes")  # the actors' columns: Ray actors, or the same roles as plain processes
 RIVALS = ("specter-paper", "specmoeoff", "demand-host", "specter-paper+host", "specmoeoff+host")
@@ -53,7 +62,7 @@ class BenchConfig:
     per_layer: bool = False
     new_tokens: int = 128
     k_candidates: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20, 24, 32)
-    actors: bool = False  # also run `specter` through the three Ray actors (column "specter@actors")
+    actors: bool = False  # also run ``actors_policy`` through the three roles (columns "POLICY@actors", "@pipelined")
     actors_policy: str = ACTORS_POLICY  # the policy of the actors' columns (its in-process column is the reference)
     actors_schedules: tuple[str, ...] = ("transfer",)  # one pair of actors' columns each (the first unsuffixed)
     actors_via: str = "ray"  # the actors' columns through Ray actors, or "processes": plain ones (remote/processes.py)
@@ -252,15 +261,16 @@ def ready(config: BenchConfig, engine: Engine) -> Engine:
 
 
 def actor_columns(config: BenchConfig) -> list[tuple[str, str, bool]]:
-    """(column, schedule, pipelined) of the actors' runs: ``specter@actors`` and ``specter@pipelined``
-    for the first schedule, the same with ``-v`` for the schedule in the verifier after it."""
+    """(column, schedule, pipelined) of the actors' runs: ``POLICY@actors`` and ``POLICY@pipelined`` (POLICY
+    the ``actors_policy``) for the first schedule, the same with ``-v`` for the schedule in the verifier after it."""
     for schedule in config.actors_schedules:
         if schedule not in SCHEDULES:
             raise ValueError(f"actors_schedules: expected {' or '.join(SCHEDULES)}, got {schedule!r}")
     columns = []
     for i, schedule in enumerate(config.actors_schedules):
         suffix = "" if i == 0 else "-" + schedule[0]
-        columns += [(ACTORS + suffix, schedule, False), (PIPELINED + suffix, schedule, True)]
+        columns += [(actors_column(config.actors_policy, pipelined, suffix), schedule, pipelined)
+                    for pipelined in (False, True)]
     return columns
 
 
@@ -349,7 +359,7 @@ def _per_prompt_line(runs: dict[str, list[dict]]) -> str | None:
     """``specter`` against the run's fastest other policy by median (not the oracle, not its own runs through
     the actors), prompt by prompt; None without both or with a single prompt."""
     others = {p: statistics.median(r["tpot_s"] for r in items) for p, items in runs.items()
-              if p != "specter" and not p.startswith(("specter@", "oracle")) and items}
+              if p != "specter" and "@" not in p and not p.startswith("oracle") and items}
     if "specter" not in runs or not others or len(runs["specter"]) < 2:
         return None
     rival = min(others, key=lambda p: others[p])
@@ -370,35 +380,49 @@ def table(results: dict[str, Any]) -> str:
         via = "; actors' columns: the roles as plain processes" if results.get("actors_via") == "processes" else ""
         lines.append(f"\nprofile {name} ({clock}, rho {block['rho']:.1f}{host}{draft}"
                      f"{budget}, link {block['link_bytes_per_s'] / 1e6:.2f} MB/s{via})")
-        lines.append(f"{'policy':<18}{'K':>3}{'K avg':>6}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
+        width = max([18] + [len(p) + 1 for p in block["summary"]])  # the longest name and a space
+        lines.append(f"{'policy':<{width}}{'K':>3}{'K avg':>6}{'TPOT ms':>10}{'speedup':>9}{'hit':>7}{'miss/tok':>10}"
                      f"{'host/tok':>9}{'MB/tok':>8}{'busy':>7}{'recall':>8}{'accept':>8}"
                      + (f"{'bound ms':>9}" if results.get("clock") in ("virtual", "as-built") else ""))
         for policy, s in block["summary"].items():
             speedup = f"{s['speedup']:>8.2f}x" if s["speedup"] == s["speedup"] else f"{'-':>9}"  # NaN: no baseline
-            lines.append(f"{policy:<18}{s['window']:>3}{s.get('mean_window', s['window']):>6.1f}{s['tpot_s'] * 1e3:>10.2f}{speedup}"
+            lines.append(f"{policy:<{width}}{s['window']:>3}{s.get('mean_window', s['window']):>6.1f}{s['tpot_s'] * 1e3:>10.2f}{speedup}"
                          f"{s['hit_rate']:>7.2f}{s['misses_per_token']:>10.2f}{s.get('host_per_token', 0.0):>9.2f}"
                          f"{s['mb_per_token']:>8.2f}{s['link_busy']:>7.0%}{s['recall']:>8.2f}{s['accepted']:>8.2f}"
                          + (f"{s['bound_tpot_s'] * 1e3:>9.2f}" if s.get("bound_tpot_s") is not None else ""))
         for suffix in ("", "-v", "-t"):
-            piped, plain = block["summary"].get(PIPELINED + suffix), block["summary"].get(ACTORS + suffix)
-            if piped is not None and plain is not None and "ahead_asked" in piped:  # a policy that drafts
+            piped_column = _actors_row(block["summary"], results, True, suffix)
+            plain_column = _actors_row(block["summary"], results, False, suffix)
+            if piped_column is not None and plain_column is not None and "ahead_asked" in piped_column[1]:  # it drafts
+                (piped_name, piped), (plain_name, plain) = piped_column, plain_column
                 gain = plain["tpot_s"] / piped["tpot_s"]
-                lines.append(f"{PIPELINED + suffix}: {gain:.2f}x the TPOT of {ACTORS + suffix}; rounds drafted "
+                lines.append(f"{piped_name}: {gain:.2f}x the TPOT of {plain_name}; rounds drafted "
                              f"ahead {piped['ahead_kept']}/{piped['ahead_asked']} stood, {piped['ahead_dropped']} "
                              "draft steps of the others reached the verifier (none of their plans moved a byte)")
         line = _per_prompt_line(block.get("runs", {}))
         if line is not None:
             lines.append(line)
         if block["summary"].get("specter", {}).get("bound_tpot_s") is not None:
-            lines.append(f"{'bound':<18}{'':>9}{block['summary']['specter']['bound_tpot_s'] * 1e3:>10.2f}"
+            lines.append(f"{'bound':<{width}}{'':>9}{block['summary']['specter']['bound_tpot_s'] * 1e3:>10.2f}"
                          "   (no schedule of specter's rounds beats it: docs/benchmark.md)")
     return "\n".join(lines)
+
+
+def _actors_row(summary: dict[str, dict], results: dict[str, Any], pipelined: bool,
+                suffix: str = "") -> tuple[str, dict] | None:
+    """(column, row) of the run's actors' column, if it has one: ``POLICY@actors`` / ``POLICY@pipelined``, or
+    as results of 2026-12-06 and before named them whatever the policy, ``specter@…``."""
+    policy = results.get("actors_policy", ACTORS_POLICY)
+    for name in dict.fromkeys((actors_column(policy, pipelined, suffix), actors_column(ACTORS_POLICY, pipelined, suffix))):
+        if name in summary:
+            return name, summary[name]
+    return None
 
 
 def _in_process(summary: dict[str, dict], policy: str, pipelined: bool) -> str | None:
     """The in-process run of ``policy`` that drafts as an actors' column does — each next round during the
     verify pass (``pipelined``, the engine's default since ca79b58) or after it (``+nopipe``) — if the run
-    has one: the actors' ``specter@actors`` column drafts unpipelined, ``specter@pipelined`` pipelined."""
+    has one: the actors' ``POLICY@actors`` column drafts unpipelined, ``POLICY@pipelined`` pipelined."""
     for name in (policy, f"{policy}+nopipe"):
         row = summary.get(name)
         if row is not None and ("ahead_asked" in row) == pipelined:
@@ -414,10 +438,11 @@ def bar(results: dict[str, Any]) -> list[tuple[str, bool, str]]:
     via = " (plain processes)" if results.get("actors_via") == "processes" else ""
     for name, block in results["profiles"].items():
         s = block["summary"]
-        for column, pipelined, label in ((ACTORS, False, "actors"), (PIPELINED, True, "pipelined actors")):
+        for pipelined, label in ((False, "actors"), (True, "pipelined actors")):
+            column = _actors_row(s, results, pipelined)
             reference = _in_process(s, policy, pipelined)  # the same policy in process, drafting as the column does
-            if column in s and reference is not None:
-                over = s[column]["tpot_s"] / s[reference]["tpot_s"] - 1
+            if column is not None and reference is not None:
+                over = column[1]["tpot_s"] / s[reference]["tpot_s"] - 1
                 checks.append((f"[{name}] {label}{via} overhead <= 5% of TPOT (against {reference} in process)",
                                over <= 0.05, f"{over:+.1%}"))
         if "specter" not in s:

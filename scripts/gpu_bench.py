@@ -30,8 +30,9 @@ differing per repeat), with medians over ``--repeats``:
   them all (launched once, before the discarded pass); its rows add the TPOT ratio to the same policy
   in process and, for ``demand-lru`` (every copy a demand), the copy engine's busy share of the time a
   demand copy was queued or moving, and for every policy the mean wall time from a demand being asked for
-  to its copy being issued on the stream (``demand_issue_us``: where that share's idle time goes). Each of these runs first makes ready, in the verifier and the
-  draft process, every token count its rounds can use (``ProcessEngine.prepare_steps``), as in process.
+  to its copy being issued on the stream (``demand_issue_us``: where that share's idle time goes). Each of
+  these runs first makes ready, in the verifier and the draft process, every token count its rounds can use
+  (``ProcessEngine.prepare_steps``), as in process.
 
 Beside the rows, the resident step at a second depth (``engine-depth``: a model of half the layers, or
 two where the shape has one; built the same way, no draft): the slope between the two is the engine's

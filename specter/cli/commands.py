@@ -64,7 +64,6 @@ def default_draft(args: argparse.Namespace) -> None:
 
 
 def _window(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    default_draft(args)
     needs_draft = drafts(args.policy)
     default = policy_class(args.policy).default_window
     window = args.window if args.window is not None else (default if args.draft else 0)
@@ -90,6 +89,7 @@ def sampling_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sampling = sampling_config(args, parser)
+    default_draft(args)
     window = _window(args, parser)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: must not be empty")
@@ -270,6 +270,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specter.target import load_tokenizer
 
     sampling = sampling_config(args, parser)
+    default_draft(args)
     window = _window(args, parser)
     if args.request_timeout <= 0 or args.timeout <= 0:
         parser.error("argument --request-timeout/--timeout: must be > 0 seconds")

@@ -114,7 +114,8 @@ class Link:
 
     def estimate_s(self, nbytes: int) -> float:
         """Seconds one transfer of ``nbytes`` takes: the bandwidth measured so far, else a prior."""
-        rate = self.bytes_moved / self.busy_s if self.busy_s > 0 else _PRIOR_BYTES_PER_S
+        moved, busy, _ = self.counts()  # one read (a remote link's counters are in shared memory)
+        rate = moved / busy if busy > 0 else _PRIOR_BYTES_PER_S
         return nbytes / rate
 
     def free_at(self, now: float) -> float:

@@ -135,21 +135,21 @@ class RemoteLink(Link):
         self._closed = False
 
     # Counters live on the transfer side; the base class's attributes become read-only views.
-    @property
-    def bytes_moved(self) -> int:  # type: ignore[override]
-        return self.counters.read()[0]
-
-    @property
-    def busy_s(self) -> float:  # type: ignore[override]
-        return self.counters.read()[1]
-
-    @property
-    def transfers(self) -> int:  # type: ignore[override]
-        return self.counters.read()[2]
-
     def counts(self) -> tuple[int, float, int]:
         """``(bytes_moved, busy_s, transfers)`` from one read of the shared counters."""
         return self.counters.read()
+
+    @property
+    def bytes_moved(self) -> int:  # type: ignore[override]
+        return self.counts()[0]
+
+    @property
+    def busy_s(self) -> float:  # type: ignore[override]
+        return self.counts()[1]
+
+    @property
+    def transfers(self) -> int:  # type: ignore[override]
+        return self.counts()[2]
 
     def estimate_s(self, nbytes: int) -> float:
         """Seconds one transfer takes: the simulated link's own time (0 while untimed), else measured."""

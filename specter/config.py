@@ -147,6 +147,7 @@ class LinkConfig:
         return cls(kind="sim", bandwidth=gbps * 1e9, latency=latency_us * 1e-6)
 
 
+ACTORS_VIA = ("ray", "processes")  # how the three roles run: Ray actors, or plain processes (remote/processes.py)
 MIN_TEMPERATURE = 1e-3  # the smallest sampling temperature (the wire protocol refuses less too)
 
 

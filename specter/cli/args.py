@@ -10,7 +10,7 @@ from typing import NoReturn
 import torch
 
 from specter.assets import DEFAULT_MODEL
-from specter.config import LinkConfig, SlotConfig, parse_bytes
+from specter.config import ACTORS_VIA, LinkConfig, SlotConfig, parse_bytes
 from specter.draft.quantize.cli import add_quantize_command, positive_int
 from specter.plan import OPTIONS, POLICIES, policy_class
 from specter.timing.clock import CLOCKS
@@ -324,7 +324,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--actors-schedule", default="transfer",
                        help="where the actors' schedule runs: transfer (default; next to the copies), verifier, "
                             "or both as 'transfer,verifier' (the second's columns end in -v)")
-    bench.add_argument("--actors-via", choices=("ray", "processes"), default="ray",
+    bench.add_argument("--actors-via", choices=ACTORS_VIA, default="ray",
                        help="how the actors' columns run the three roles: ray (default; Ray actors on a local "
                             "Ray) or processes (plain processes over the same sockets and shared memory, no Ray: "
                             "what --processes and a lent GPU run)")

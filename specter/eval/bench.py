@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specter.config import LinkConfig, SamplingConfig, SlotConfig
+from specter.config import ACTORS_VIA, LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.generation import bytes_per_token, resident_step_s
@@ -44,7 +44,6 @@ def actors_column(policy: str, pipelined: bool, suffix: str = "") -> str:
 ACTORS = actors_column(ACTORS_POLICY, False)  # "specter@actors"
 PIPELINED = actors_column(ACTORS_POLICY, True)  # "specter@pipelined"
 SCHEDULES = ("transfer", "verifier")  # where the actors' schedule runs (actors/verifier.py)
-ACTORS_VIA = ("ray", "processes")  # the actors' columns: Ray actors, or the same roles as plain processes
 RIVALS = ("specter-paper", "specmoeoff", "demand-host", "specter-paper+host", "specmoeoff+host")
 
 

@@ -80,11 +80,20 @@ def draft_seed(seed: int) -> int:
 
 
 def plan_delta(round_id: int, step: int, routing: Routing) -> PlanDelta:
-    """A draft step's routing (top-k ids and router weights per MoE layer) as a plan delta."""
+    """A draft step's routing (top-k ids and router weights per MoE layer) as a plan delta: its last
+    position's, the one the verify pass runs. A step that feeds several tokens (a round's first,
+    catching up on what the last round or the plain steps before it committed) routes the earlier
+    ones too, but the target has run those already: predicting their experts would move experts no
+    pass needs, into the slots of ones it does."""
     layers = sorted(routing)  # host tensors (the draft read them once): numpy, no device read here
-    experts = [routing[layer][0].numpy().ravel().tolist() for layer in layers]
-    probs = [routing[layer][1].numpy().ravel().tolist() for layer in layers]
+    experts = [_last_row(routing[layer][0]) for layer in layers]
+    probs = [_last_row(routing[layer][1]) for layer in layers]
     return PlanDelta(round_id, step, layers, experts, probs)
+
+
+def _last_row(values: torch.Tensor) -> list:
+    """The last position's row of a (positions, top-k) routing tensor, as a list."""
+    return values.reshape(-1, values.shape[-1])[-1].numpy().tolist()
 
 
 class LocalProposer:

@@ -97,7 +97,8 @@ class PlanDelta(msgspec.Struct, frozen=True, array_like=True, tag="plan"):
         round: the speculative round this step belongs to (stale rounds are cancelled).
         step: the draft step within the round, 0-based.
         layers: MoE layer ids, in the order of ``experts`` and ``probs``.
-        experts: per layer, the top-k expert ids of this step's position(s), flattened.
+        experts: per layer, the top-k expert ids of this step's last position (the one the verify pass
+            runs: a step that feeds several tokens routes them all, but the target has run the others).
         probs: per layer, the router weight of each id in ``experts``.
     """
 

@@ -78,6 +78,7 @@ class Specter(Policy):
         self._rank: dict[Key, int] = {}
         self._issued: set[Key] = set()
         self._kept: set[Key] = set()  # the predicted experts ``select`` holds slots for
+        self._now: set[Key] = set()  # the running verify layer's experts, not run yet: never a victim
         self._value: dict[Key, float] = {}  # each predicted expert's value (seconds saved, expected)
         self._agreement: dict[int, tuple[float, float]] = {}  # votes → (used, seen), decayed
         self._step_s = 1e-3  # a draft step, EMA
@@ -102,6 +103,7 @@ class Specter(Policy):
         cancel_queued(self.offload, stale)
         self._issued.clear()
         self._kept.clear()
+        self._now = set()
         self.plan.reset(round_id)
         self.current = -1
 
@@ -127,6 +129,7 @@ class Specter(Policy):
 
     def begin_verify(self, round_id: int, positions: int) -> None:
         self.current = -1
+        self._now = set()
         self._mark = None
 
     def before_layer(self, layer: int, hidden: torch.Tensor, needed: list[int]) -> None:
@@ -137,10 +140,14 @@ class Specter(Policy):
         wanted = set(needed)
         wasted = [k for k in self._issued if k[0] == layer and k[1] not in wanted]
         cancel_queued(self.offload, wasted)
+        # The layer's experts are about to run: a prefetch for a later layer must not take their slots
+        # (the layer would fetch them back on demand first; they are pinned only once it runs them).
+        self._now = {(layer, e) for e in needed}
         self.schedule()
 
     def end_round(self, round_id: int, accepted: int, true_routing: dict[int, set[int]]) -> None:
         self.current = -1
+        self._now = set()
         for key, votes in self.plan.counts.items():  # how often n votes meant the expert was used
             n = min(votes, _VOTES_CAP)
             used, seen = self._agreement.get(n, (1.0, 2.0))
@@ -176,7 +183,7 @@ class Specter(Policy):
             ahead = [k for k in ahead if k in self._kept]
         next_use = functools.cache(self.next_use)  # fixed until the next schedule
         ahead.sort(key=next_use)
-        self._issued.update(prefetch(self.offload, ahead, set(), next_use))
+        self._issued.update(prefetch(self.offload, ahead, self._now, next_use))
 
     def select(self, ahead: list[Key]) -> list[Key]:
         """Of the predicted experts ``ahead``, the ones to hold in slots for the verify pass.
@@ -198,6 +205,9 @@ class Specter(Policy):
         transfer = offload.link.estimate_s(offload.store.shape.nbytes)
         host = offload.host if self.host_compute else None
         room = pool.unpinned_per_group()
+        for key in self._now:  # the running layer's: in their slots (or on their way), not pinned yet
+            if pool.holds(key) and not pool.is_pinned(key):
+                room[pool.group_of(key[0])] -= 1
         scored = []
         own_queued = 0
         by_votes: dict[int, tuple[float, float]] = {}  # votes → (value, host seconds); few distinct counts
@@ -284,6 +294,8 @@ class Specter(Policy):
 
     def next_use(self, key: Key) -> float:
         """Smaller is sooner. Fractional parts order experts within a layer."""
+        if key in self._now:  # the running layer's, about to run
+            return -1.0
         count = self.plan.counts.get(key)
         if count is None:
             return _UNPREDICTED - self._rank.get(key, 0)

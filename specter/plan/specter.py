@@ -12,7 +12,8 @@ next predicted use is furthest away.
   weight); the not-kept are not moved and are evicted before the kept.
 * Eviction: an expert the round does not predict goes first (least recently used first), then
   one whose layer the running verify pass has already passed, then a predicted one not kept;
-  a kept one is given up only for a more urgent one. Pinned experts are never candidates.
+  a kept one is given up only for a more urgent one. Pinned experts are never candidates, nor the
+  running layer's between its routing being read and its experts running (``before_layer``).
 * Demand misses go ahead of every prefetch (the link's priority queue). When a layer's true
   routing is known, queued prefetches for that layer's unneeded experts are cancelled, and the
   schedule is redone.

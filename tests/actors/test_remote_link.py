@@ -351,12 +351,16 @@ def test_the_cuda_link_claims_a_pinned_slot_only_after_its_reader_recorded_the_r
     _, seq = slots.read(4)
     assert slots.try_pin(4, seq)  # the verifier computes with slot 4
     transfer = remote.submit((0, 3), 4, torch.empty(0), slots.storage[4], DEMAND)
+    _until(lambda: len(server.link._demands) == 1)  # the server holds the demand: its clock has started
+    held = time.perf_counter()
     time.sleep(0.2)
     assert not transfer.done.is_set() and ("claim", 4) not in log  # the writer leaves a pinned slot alone
+    released = time.perf_counter()
     slots.release(4)  # records the reader event, then unpins
     transfer.wait(HANG_S)
     assert log.index(("mark_read", 4)) < log.index(("claim", 4)) < log.index(("wait_reader", 4, "copy-stream"))
-    assert server.link.demands_issued == 1 and server.link.demand_issue_s >= 0.2  # it waited for the pinned slot
+    # it waited for the pinned slot: issued after the release, asked for before ``held``
+    assert server.link.demands_issued == 1 and server.link.demand_issue_s >= released - held
     assert torch.equal(slots.storage[4], torch.full((SHAPE.numel,), 3.0))
 
 
@@ -367,18 +371,28 @@ def test_the_cuda_link_times_a_promoted_prefetch_as_a_demand_from_its_promotion(
     slots = remote.slots
     _, seq = slots.read(4)
     assert slots.try_pin(4, seq)  # the verifier computes with slot 4
+    link = server.link
     taken = remote.submit((0, 3), 4, torch.empty(0), slots.storage[4], PREFETCH)
-    time.sleep(0.1)  # the copy thread has taken it and waits for the pinned slot: nothing behind it is issued
+    # the copy thread has taken it and waits for the pinned slot: nothing behind it is issued
+    _until(lambda: link._current is not None and link._current.key == (0, 3))
     queued = remote.submit((1, 3), 5, torch.empty(0), slots.storage[5], PREFETCH)
+    _until(lambda: link.queued() == 1)
+    asked = time.perf_counter()  # the queued prefetch was submitted before this
     time.sleep(0.5)
     remote.promote(taken)
     remote.promote(queued)
+    _until(lambda: any(transfer.priority == DEMAND for _, _, transfer in link._heap))
+    promoted = time.perf_counter()  # the server has promoted the queued one
     time.sleep(0.05)
+    released = time.perf_counter()
     slots.release(4)
     for transfer in (taken, queued):
         transfer.wait(HANG_S)
-    assert server.link.demands_issued == 1  # the promoted one; the one already taken was not made a demand
-    assert 0.04 <= server.link.demand_issue_s < 0.4  # from its promotion (from its submit it would be >= 0.55)
+    done = time.perf_counter()
+    assert link.demands_issued == 1  # the promoted one; the one already taken was not made a demand
+    # from its promotion (no earlier than 0.5 s after ``asked``) to its issue (after the release); from its
+    # submit it would be at least ``released - asked``
+    assert released - promoted <= link.demand_issue_s <= done - asked - 0.5 < released - asked
 
 
 def test_the_cuda_link_counts_no_initial_fill_and_two_copies_are_in_flight(cuda_link) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, init_ray
+from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, check_local_gpu, init_ray
 from actors.launcher import EngineHandle, cluster_link, launch
 from specter.config import LinkConfig, SlotConfig
 from specter.target import load_tokenizer
@@ -50,6 +50,7 @@ class Client:
     ):
         self._owns_ray = False
         if not ray.is_initialized():
+            check_local_gpu(address, link)
             init_ray(address, num_cpus, connect_timeout_s)
             self._owns_ray = True
         self.tokenizer = load_tokenizer(Path(model))

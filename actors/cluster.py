@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
+import torch
 from ray._private import services
 from ray._raylet import AuthenticationTokenLoader, Config, GcsClient  # type: ignore[attr-defined]
 from ray.exceptions import AuthenticationError
@@ -42,6 +43,15 @@ LOOPBACK = "127.0.0.1"
 
 class ConnectError(ConnectionError):
     """No Ray cluster could be reached or joined at an address (the message says what to check)."""
+
+
+def check_local_gpu(address: str | None, link: Any) -> None:
+    """Raise ``ValueError`` (one line, what to do) where a ``cuda`` link would run its actors on an
+    embedded Ray (``address`` ``"local"``/None) and this machine's torch sees no CUDA device: said
+    before Ray starts, where the cluster's own check (``require_gpu``) would come after it."""
+    if address in (None, "local") and getattr(link, "kind", None) == "cuda" and not torch.cuda.is_available():
+        raise ValueError("link: cuda puts the actors on a GPU, and this machine has none that torch can use "
+                         "(--address local runs them here); use --link sim:GBPS, or --address a cluster with GPUs")
 
 
 def init_ray(address: str | None, num_cpus: int = 2, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:

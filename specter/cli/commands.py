@@ -214,7 +214,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``specter serve``: check the flags and the folders, attach to or start Ray, serve until Ctrl-C."""
     import ray
 
-    from actors.cluster import init_ray
+    from actors.cluster import check_local_gpu, init_ray
     from actors.launcher import require_gpu
     from actors.serve import API_KEY_ENV, ServeOptions, is_loopback, run
 
@@ -244,6 +244,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.budget or SlotConfig(fraction=0.5), link, args.served_model_name, api_key,
         args.max_queue, args.max_body, template, args.timeout, profile, args.max_batch,
     )
+    check_local_gpu(args.address, link)
     init_ray(args.address, args.num_cpus, args.connect_timeout)
     if link is not None and link.kind == "cuda":  # told here: past this, it would fail inside Serve's replica
         try:
@@ -267,6 +268,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``specter batch``: validate everything, resume, then hand prompts out to the replicas."""
     import ray
 
+    from actors.cluster import check_local_gpu
     from specter.target import load_tokenizer
 
     sampling = sampling_config(args, parser)
@@ -294,6 +296,12 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     timing = _timing(args, parser)  # the actors' wall clock; a profile's link comes with its host
     host_profile = timing.profile
     link = None if args.link is None and host_profile is None else timing.link  # None: the cluster's (cuda on a GPU)
+    if not ray.is_initialized():
+        try:
+            check_local_gpu(args.address, link)
+        except ValueError:
+            results.close()
+            raise
     budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
     if tokenizer is None:

@@ -113,12 +113,41 @@ def test_a_node_whose_torch_has_no_cuda_ends_the_launch_in_one_line_and_leaves_n
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("specter-nocuda-")]
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
-def test_the_cli_through_a_cluster_without_gpus_says_so_in_one_line(tiny_dir, command) -> None:
+@pytest.mark.parametrize("command", ["generate", "serve", "batch"])
+def test_the_cli_with_a_cuda_link_on_a_machine_without_cuda_says_so_in_one_line_before_ray_starts(
+        tiny_dir, tmp_path, command) -> None:
     model = ["--model", str(tiny_dir("mixtral")), "--policy", "demand-lru", "--address", "local", "--link", "cuda"]
-    extra = ["--prompt-ids", "1,2"] if command == "generate" else ["--port", "0"]
-    proc = subprocess.run([sys.executable, "-m", "specter.cli", command, *model, *extra],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x"}\n')
+    extra = {"generate": ["--prompt-ids", "1,2"], "serve": ["--port", "0"],
+             "batch": [str(prompts), "--out", str(tmp_path / "out.jsonl")]}[command]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "specter.cli", command, *extra, *model],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("specter: error:")]
-    assert len(lines) == 1 and "link: cuda puts the actors on a GPU, and this Ray cluster has none" in lines[0]
+    assert len(lines) == 1 and "link: cuda puts the actors on a GPU, and this machine has none" in lines[0], lines
+    assert "Ray" not in proc.stderr.replace(lines[0], "")  # said before a Ray was started (Ray logs its start)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own, as ``specter serve`` imports it
+def test_the_cli_through_a_cluster_without_gpus_says_so_in_one_line(tiny_dir, monkeypatch, capsys, command) -> None:
+    """Attached to a cluster (``--address auto``) whose resources name no GPU: the placement (generate) or
+    ``specter serve`` before its Serve application refuses a ``cuda`` link in one line, and a serve leaves
+    its Ray connection shut. The cluster is a stand-in: joining is a no-op, its resources have no GPU."""
+    from specter.cli import main
+
+    joined, shut = [], []
+    monkeypatch.setattr("actors.cluster.init_ray", lambda *a, **k: joined.append(a))
+    monkeypatch.setattr("actors.client.init_ray", lambda *a, **k: joined.append(a))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    model = ["--model", str(tiny_dir("mixtral")), "--policy", "demand-lru", "--address", "auto", "--link", "cuda"]
+    extra = ["--prompt-ids", "1,2"] if command == "generate" else ["--port", "0"]
+    assert main([command, *model, *extra]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specter: error: link: cuda puts the actors on a GPU, and this "
+                                                   "Ray cluster has none"), lines
+    assert joined and (shut if command == "serve" else True)

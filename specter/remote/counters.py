@@ -1,8 +1,9 @@
 """The transfer side's link counters, mirrored into a small shared-memory segment.
 
-Five float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
+Six float64 words at ``/dev/shm/<prefix>-counters``: bytes moved, seconds the link was busy,
 transfers done, when the transfer moving now is due to land (``time.perf_counter`` seconds:
-``CLOCK_MONOTONIC``, one clock for every process of the machine), and a sequence number. One writing
+``CLOCK_MONOTONIC``, one clock for every process of the machine), a sequence number and the writing
+process's pid (a reader's waits end when that process is gone: ``specter/remote/peers.py``). One writing
 process (the transfer actor's link threads: the due time when a copy starts, the rest before it
 publishes a slot; on a CUDA link also the copy engine's seconds once a copy is done) and any number of
 readers (the verifier's ``RemoteLink``), so a reader that has seen an expert land also sees the
@@ -14,15 +15,18 @@ transfer's bytes without its count. Named under the slots' prefix so ``unlink_pr
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numpy as np
 
+from specter.remote.peers import Peer
 from specter.remote.segments import attach_shared, fence, open_shared, shm_unlink
 
-WORDS = 5  # bytes moved, busy seconds, transfers, due time of the transfer moving now, sequence number
+WORDS = 6  # bytes moved, busy seconds, transfers, due time of the transfer moving now, sequence number, pid
 SEQ = 4
+PID = 5
 TORN_WAIT_S = 0.05  # how long ``read`` retries while a writer is adding
 
 
@@ -42,6 +46,10 @@ class SharedCounters:
         self._write = threading.Lock()  # the writing process's threads add one at a time
         if create:
             self._words[:] = 0.0
+            self._words[PID] = os.getpid()
+            fence()
+        # the process that writes them (the transfer side's): a reader's waits look at it (``link.nap``)
+        self.writer = Peer("transfer", int(self._words[PID]))
 
     def add(self, nbytes: int, busy_s: float, transfers: int = 1) -> None:
         """Count one finished transfer (writer side only)."""

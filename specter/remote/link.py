@@ -44,12 +44,15 @@ def nap(counters: SharedCounters, end: float, idle: float) -> float:
     """Sleep while waiting for a blob: to just before the copy moving now lands (nothing lands
     before it: one copy thread), or a poll step once it is due; when nothing has been due for a
     while (the copy thread may be waiting on a pinned slot) back off. Returns the new ``idle``
-    (how long nothing has been due)."""
+    (how long nothing has been due). Once backing off it looks at the transfer process: gone, it
+    raises ``PeerGone`` (``specter/remote/peers.py``) instead of waiting out ``end``."""
     now = time.perf_counter()
     ahead = counters.due() - now  # the moving transfer lands then (the writer's clock)
     if ahead > _POLL_S:
         time.sleep(min(ahead - _POLL_S / 2, end - now))
         return 0.0
+    if idle >= _IDLE_S:  # nothing due for a while: is the transfer process still there?
+        counters.writer.check("an expert was awaited")
     idle += _POLL_S
     time.sleep(_POLL_S if idle < _IDLE_S else min(idle / 8, MAX_SLEEP_S))
     return idle

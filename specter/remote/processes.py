@@ -87,7 +87,8 @@ class RoleProcess:
 
     def call(self, method: str, *args: Any, timeout: float | None = None, watch: Sequence[RoleProcess] = (),
              **kwargs: Any) -> Any:
-        """``role.method(*args, **kwargs)`` in the process; its exception is raised here."""
+        """``role.method(*args, **kwargs)`` in the process; its exception is raised here (as a watched
+        role's ``RoleGone`` where one of them has ended: the exception followed from that)."""
         with self.lock:
             try:
                 self.conn.send((method, args, kwargs))
@@ -97,6 +98,9 @@ class RoleProcess:
         if kind == "ok":
             return value
         if isinstance(value, BaseException):
+            for other in watch:  # the role's wait saw a peer's process gone (``peers``): say how it ended
+                if not other.alive():
+                    raise other._gone(f"while {self.role} ran {method}") from value
             raise value
         raise RoleError(f"{self.role}.{method}: {value}")
 

@@ -47,6 +47,7 @@ from specter.protocol import (
     StartRequest,
 )
 from specter.remote.channel import Channel, ChannelError, DropLog
+from specter.remote.peers import CHECK_S, Peer, PeerGone
 
 
 class DraftError(RuntimeError):
@@ -72,6 +73,8 @@ class RemoteProposer:
     def __init__(self, channel: Channel, timeout_s: float = 60.0):
         self.channel = channel
         self.timeout_s = timeout_s
+        hello = channel.peer_hello  # the draft process, looked at while a wait hears nothing (``peers``)
+        self.peer = Peer("draft", hello.pid if hello is not None else 0)
         self.cached = 0  # positions the draft's cache holds (mirrored)
         self._requests = 0
         self._ignore = DropLog("verifier: from the draft", ("stale",))
@@ -231,15 +234,25 @@ class RemoteProposer:
 
     def _read(self, wire: int, timeout_s: float) -> PlanDelta | DraftTokens | AheadStart | None:
         """The next message of round ``wire`` (None when none came within ``timeout_s``); an
-        ``Error`` raises ``DraftError``, messages of other rounds are dropped (``_drop``)."""
+        ``Error`` raises ``DraftError``, messages of other rounds are dropped (``_drop``). While
+        nothing comes it looks at the draft's process every ``CHECK_S``: gone, ``DraftError`` at once."""
         deadline = time.monotonic() + timeout_s
-        while (msg := self.channel.recv(max(deadline - time.monotonic(), 0.0))) is not None:
+        while True:
+            remaining = deadline - time.monotonic()
+            msg = self.channel.recv(max(min(remaining, CHECK_S), 0.0))
+            if msg is None:
+                if remaining <= CHECK_S:
+                    return None
+                try:
+                    self.peer.check(f"round {wire} was awaited")
+                except PeerGone as exc:
+                    raise DraftError(f"draft: {exc}") from None
+                continue
             if isinstance(msg, PlanDelta | DraftTokens | AheadStart) and msg.round == wire:
                 return msg
             if isinstance(msg, Error):
                 raise DraftError(f"draft: {msg.where}: {msg.message}")
             self._drop(msg, wire)
-        return None
 
     def _drop(self, msg: object, wire: int) -> None:
         """A message that is not for round ``wire``: quietly when it belongs to a thrown-away

@@ -9,6 +9,7 @@ reference, the silent peer detected by a timeout.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ from specter.eval.jobs import BatchItem, ResultsFile, errors_path
 
 LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 NEW = 8
+TIMEOUT_S = 20.0  # the replica's waits; a killed peer is seen well before (``specter/remote/peers.py``)
 LONG = 96  # the request a fault lands in: long enough that the kill, fired inside it, lands inside it
 TEXTS = ["alpha beta", "gamma", "delta epsilon zeta", "eta theta", "iota kappa lambda mu", "nu"]
 
@@ -129,15 +131,19 @@ def test_a_bad_request_is_recorded_and_the_rest_finish(local_ray, models, refere
     ("role", "how"), [("transfer", "ray.kill"), ("draft", "SIGKILL"), ("verifier", "SIGKILL")]
 )
 def test_killed_actor_mid_batch_every_prompt_once_and_identical(local_ray, models, reference, long_reference,
-                                                               tmp_path, role, how) -> None:
+                                                               tmp_path, caplog, role, how) -> None:
     out = tmp_path / "results.jsonl"
     items = _items(4)
     items[1].max_new_tokens = LONG  # the second request, the one the kill lands in
     want = dict(reference, p1=long_reference)
     results = ResultsFile(out)
     fault = KillInRequest(role, how, nth=2).start()
-    report = run_batch(items, results, out, _options(models, timeout_s=5.0), encode, decode)
+    with caplog.at_level(logging.WARNING, logger="actors.batch"):
+        report = run_batch(items, results, out, _options(models, timeout_s=TIMEOUT_S), encode, decode)
     results.close()
+    failures = [r.getMessage() for r in caplog.records if r.name == "actors.batch" and "failed on 'p1'" in r.getMessage()]
+    if role != "verifier":  # the verifier waits on it: told that its process is gone, not at the timeout
+        assert any(f"the {role} process (pid " in m and "has exited" in m for m in failures), failures
     fault.join()
     assert fault.fired is not None, fault.error
     # it fired inside the second request, before that request had finished

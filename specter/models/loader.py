@@ -78,12 +78,15 @@ def build_dense(
     replace: dict[str, torch.Tensor] | None = None,
     skip: frozenset[str] = frozenset(),
     checkpoint: Checkpoint | None = None,
+    dense: bool = True,
 ) -> LoadedModel:
     """The transformers model with every dense tensor loaded and no routed expert materialized.
 
     ``replace``: disk key → tensor read instead of the checkpoint (a quantized checkpoint's dense
     modules, dequantized: ``<module>.weight``); ``skip``: disk keys not to read (their packed parts);
-    ``checkpoint``: ``model_dir``'s checkpoint when the caller has it open already.
+    ``checkpoint``: ``model_dir``'s checkpoint when the caller has it open already. ``dense`` False:
+    nothing is read, the model stays on the meta device (``dense_bytes`` 0) — the expert layout alone,
+    what the transfer process needs to load the experts (the dense weights are the verifier's).
     """
     checkpoint, config, family = load_config(model_dir, checkpoint)
     dtype = dtype or _config_dtype(config)
@@ -97,7 +100,7 @@ def build_dense(
     shape = ExpertShape(hidden=hidden, intermediate=two_i // 2, dtype=dtype)
     for module in experts.values():
         _drop_fused(module)
-    dense_bytes = _load_dense(model, checkpoint, family, replace or {}, skip)
+    dense_bytes = _load_dense(model, checkpoint, family, replace or {}, skip) if dense else 0
     model.eval()
     top_k = int(config.num_experts_per_tok)
     return LoadedModel(

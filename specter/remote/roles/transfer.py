@@ -64,7 +64,7 @@ class TransferRole:
         self.metrics: Metrics = metrics or NoMetrics()
         self.metrics_every_s = metrics_every_s
         device = role_device(link)
-        loaded = build_dense(model_dir, compute_dtype(device, dtype))
+        loaded = build_dense(model_dir, compute_dtype(device, dtype), dense=False)  # the expert layout: no weights read
         self.prefix = prefix or new_prefix("specter")
         numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
         self.arena = SharedArena.create(store_name(self.prefix), numel, loaded.shape.dtype)
@@ -73,7 +73,7 @@ class TransferRole:
             self.arena.pin()  # the copy stream's copies from it run asynchronously
         groups = slot_groups(budget, loaded)
         num_slots = sum(groups.values())
-        del loaded  # the dense parts are the verifier's; only the blobs stay here
+        del loaded  # the dense parts are the verifier's (never read here); only the blobs stay
         self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype,
                                         device)
         self.shared_counters = SharedCounters(self.prefix, create=True)

@@ -48,15 +48,21 @@ def test_generate_with_an_unreachable_address_exits_at_once_naming_it() -> None:
     _one_line_naming(proc.stderr, address)  # the loopback address as given, not rewritten
 
 
-def test_batch_with_an_unreachable_auto_cluster_exits_at_once_naming_it(tmp_path) -> None:
+def test_batch_with_an_unreachable_auto_cluster_exits_at_once_naming_it(tmp_path, monkeypatch, capsys) -> None:
+    """In this process (the subprocess above shows the command's own exit): ``main``'s status and stderr."""
+    from specter.cli import main
+
+    if ray.is_initialized():
+        ray.shutdown()
     address = f"127.0.0.1:{_closed_port()}"
     src = tmp_path / "prompts.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n")
-    env = dict(os.environ, RAY_ADDRESS=address)  # what `auto` resolves to
-    proc, wall = _cli("batch", str(src), "--out", str(tmp_path / "out.jsonl"), "--address", "auto",
-                      "--model", str(ASSETS / "moe-fine"), env=env)
-    assert proc.returncode == 1 and wall < DEFAULT_CONNECT_TIMEOUT_S
-    _one_line_naming(proc.stderr, f"auto = {address}")
+    monkeypatch.setenv("RAY_ADDRESS", address)  # what `auto` resolves to
+    t0 = time.monotonic()
+    code = main(["batch", str(src), "--out", str(tmp_path / "out.jsonl"), "--address", "auto",
+                 "--model", str(ASSETS / "moe-fine")])
+    assert code == 1 and time.monotonic() - t0 < DEFAULT_CONNECT_TIMEOUT_S and not ray.is_initialized()
+    _one_line_naming(capsys.readouterr().err, f"auto = {address}")
     out = tmp_path / "out.jsonl"
     assert not out.exists() or not out.read_text().strip()  # nothing ran, nothing recorded
 

@@ -17,16 +17,31 @@ NEW = 6
 PROMPTS = {"a": "def parse_args(argv):", "b": "import os\n", "c": "class Config:"}
 
 
+def _args(*args: str) -> list[str]:
+    return ["batch", *args, "--model", str(MODEL), "--draft", str(DRAFT), "--policy", "specter", "--window", "3",
+            "--max-new-tokens", str(NEW), "--link", "sim:4"]
+
+
 def _batch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    return subprocess.run(
-        [sys.executable, "-m", "specter.cli", "batch", *args, "--model", str(MODEL), "--draft", str(DRAFT),
-         "--policy", "specter", "--window", "3", "--max-new-tokens", str(NEW), "--link", "sim:4"],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
+    return subprocess.run([sys.executable, "-m", "specter.cli", *_args(*args)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
 
 
-def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path) -> None:
+def _batch_here(capsys, *args: str) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """``specter batch`` in this process, for the runs that end before any Ray would start (a bad line
+    with ``--on-bad-line stop``, nothing left to run): its exit status and stderr."""
+    import ray
+
+    from specter.cli import main
+
+    capsys.readouterr()
+    code = main(_args(*args))
+    assert not ray.is_initialized()  # they never start one
+    return code, capsys.readouterr().err
+
+
+def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> None:
     src = tmp_path / "prompts.jsonl"
     lines = [json.dumps({"id": "a", "prompt": PROMPTS["a"]}), '{"id": "bad", "prompt": 7}',
              json.dumps({"id": "b", "prompt": PROMPTS["b"], "max_new_tokens": 3}),
@@ -34,8 +49,8 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path) -> None:
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "results.jsonl"
 
-    stop = _batch(str(src), "--out", str(out), "--on-bad-line", "stop")
-    assert stop.returncode == 1 and f"{src}:2: 'prompt' must be a string" in stop.stderr
+    code, stderr = _batch_here(capsys, str(src), "--out", str(out), "--on-bad-line", "stop")
+    assert code == 1 and f"{src}:2: 'prompt' must be a string" in stderr
     assert not out.exists()  # nothing ran
 
     first = _batch(str(src), "--out", str(out))
@@ -53,6 +68,6 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path) -> None:
         assert row["text"] == tokenizer.decode(want)
         assert row["stats"]["policy"] == "specter" and row["stats"]["new_tokens"] == len(want)
 
-    again = _batch(str(src), "--out", str(out), timeout=120)
-    assert again.returncode == 0 and "3 already in" in again.stderr and "0 to run" in again.stderr
+    code, stderr = _batch_here(capsys, str(src), "--out", str(out))
+    assert code == 0 and "3 already in" in stderr and "0 to run" in stderr
     assert len(out.read_text().splitlines()) == 3

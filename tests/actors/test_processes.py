@@ -21,7 +21,7 @@ from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
-from specter.remote.processes import ProcessEngine, RoleError, RoleGone, RoleProcess, launch_processes
+from specter.remote.processes import ROLES, ProcessEngine, RoleError, RoleGone, RoleProcess, launch_processes
 from specter.remote.segments import unlink_prefix
 from specter.target import OffloadedTarget
 
@@ -120,6 +120,26 @@ def test_a_role_that_fails_while_another_still_loads_is_named_by_its_own_error(m
         transfer.stop(10)
         draft.stop(1)
         unlink_prefix(prefix)
+
+
+def test_each_role_process_takes_the_drivers_environment_as_it_is_at_its_start(monkeypatch) -> None:
+    """Roles fork from a server started at the driver's first launch; each still sees the driver's
+    environment of its own start, not the server's (as a spawned process would)."""
+    monkeypatch.setitem(ROLES, "probe", "probe_role.EnvRole")
+    monkeypatch.delenv("SPECTER_PROBE", raising=False)
+    first = RoleProcess("probe")
+    roles = [first]
+    try:
+        first.ready(60)  # the fork server runs from here on, with the environment it started with
+        monkeypatch.setenv("SPECTER_PROBE", "after")
+        second = RoleProcess("probe")
+        roles.append(second)
+        second.ready(60)
+        assert first.call("env", "SPECTER_PROBE", timeout=30) is None
+        assert second.call("env", "SPECTER_PROBE", timeout=30) == "after"
+    finally:
+        for role in roles:
+            role.stop(5)
 
 
 def test_specter_generate_processes_on_the_command_line(models) -> None:

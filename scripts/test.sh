@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python3 -m ruff check specter actors scripts tests
-python3 -m mypy specter actors
+# mypy's cache outside the checkout: a fresh clone re-checks only what differs from the last run here
+python3 -m mypy --cache-dir "${XDG_CACHE_HOME:-$HOME/.cache}/specter/mypy" specter actors
 set +e
 python3 -m pytest -q --durations=12 "$@"
 rc=$?

@@ -134,14 +134,20 @@ class SpecterServer:
             handle.shutdown()
 
 
+SHUTDOWN_POLL_S = 0.2  # how often a stopping replica looks whether its running requests are done
+
+
 def deployment(options: ServeOptions) -> Any:
     """The bound application. Serve's own limits sit above the app's queue: a request it holds is either
     running, waiting in the app's queue, or answered 429 by the app (a stream counts for its whole
-    life, so the limit is the queue plus the running requests plus room for /health and /v1/models)."""
+    life, so the limit is the queue plus the running requests plus room for /health and /v1/models).
+    On the way out (Ctrl-C) the replica still lets running requests finish, up to Serve's graceful
+    timeout (20 s), but looks every ``SHUTDOWN_POLL_S`` whether they have (Serve's default: 2 s)."""
     limit = options.max_queue + options.max_batch + 16
     return serve.deployment(  # type: ignore[attr-defined]
         SpecterServer, name="SpecterServer", num_replicas=1, max_ongoing_requests=limit,
         max_queued_requests=limit, ray_actor_options={"num_cpus": 0}, health_check_period_s=10,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
     ).bind(options)
 
 

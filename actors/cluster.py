@@ -37,6 +37,8 @@ from ray._private import services
 from ray._raylet import AuthenticationTokenLoader, Config, GcsClient  # type: ignore[attr-defined]
 from ray.exceptions import AuthenticationError
 
+from specter.config import LinkConfig
+
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 LOOPBACK = "127.0.0.1"
 
@@ -45,11 +47,11 @@ class ConnectError(ConnectionError):
     """No Ray cluster could be reached or joined at an address (the message says what to check)."""
 
 
-def check_local_gpu(address: str | None, link: Any) -> None:
+def check_local_gpu(address: str | None, link: LinkConfig | None) -> None:
     """Raise ``ValueError`` (one line, what to do) where a ``cuda`` link would run its actors on an
     embedded Ray (``address`` ``"local"``/None) and this machine's torch sees no CUDA device: said
     before Ray starts, where the cluster's own check (``require_gpu``) would come after it."""
-    if address in (None, "local") and getattr(link, "kind", None) == "cuda" and not torch.cuda.is_available():
+    if address in (None, "local") and link is not None and link.kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("link: cuda puts the actors on a GPU, and this machine has none that torch can use "
                          "(--address local runs them here); use --link sim:GBPS, or --address a cluster with GPUs")
 

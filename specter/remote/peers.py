@@ -3,7 +3,7 @@
 A replica's three roles always share one machine (their slots, counters and expert store are shared
 memory), so each knows its peers by pid: the verifier knows the draft's from the pair handshake
 (``Hello.pid``) and the transfer process's from the shared counters that process made
-(``SharedCounters.writer_pid``). A wait that has heard nothing for a while looks at the peer's process
+(``SharedCounters.writer``). A wait that has heard nothing for a while looks at the peer's process
 (at most every ``CHECK_S``); one that has exited — or exited and is not reaped yet, a zombie — ends
 the wait with ``PeerGone`` naming it, where the wait would otherwise run to its timeout (60 s by
 default: a killed draft or transfer process held its request that long before the replica was
@@ -25,14 +25,12 @@ class PeerGone(RuntimeError):
 
 def running(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie — exited, not reaped yet — does not)."""
-    if not _PROC:
+    if not _PROC:  # no /proc: whether the pid exists (a zombie passes)
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
-        return True
+        return True  # PermissionError included: it exists, another user's
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             line = stat.read()

@@ -106,6 +106,11 @@ class SlotConfig:
             )
         return count
 
+    def groups(self, moe_layers: list[int], experts_per_layer: int, expert_bytes: int, top_k: int) -> dict[int, int]:
+        """The slot pool's groups: MoE layer -> its slots (``per_layer``), or ``{-1: slots}`` shared by all."""
+        count = self.slots(len(moe_layers), experts_per_layer, expert_bytes, top_k)
+        return dict.fromkeys(moe_layers, count) if self.per_layer else {-1: count}
+
     def describe(self) -> str:
         if self.fraction is not None:
             return f"{self.fraction:g} of the routed experts"

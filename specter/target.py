@@ -193,11 +193,8 @@ def _plan(request: MemoryRequest, loaded: LoadedModel, device: torch.device) -> 
 
 
 def slot_groups(budget: SlotConfig, loaded: LoadedModel) -> dict[int, int]:
-    layers = len(loaded.moe_layers)
-    count = budget.slots(layers, loaded.num_experts, loaded.shape.nbytes, loaded.top_k)
-    if budget.per_layer:
-        return dict.fromkeys(loaded.moe_layers, count)
-    return {-1: count}
+    """``budget``'s slot groups for ``loaded``'s experts (``SlotConfig.groups``)."""
+    return budget.groups(loaded.moe_layers, loaded.num_experts, loaded.shape.nbytes, loaded.top_k)
 
 
 def _make_link(config: LinkConfig, device: torch.device, clock: WallClock) -> Link:

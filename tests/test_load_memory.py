@@ -48,18 +48,3 @@ def test_peak_rss_while_loading_a_200mb_checkpoint(tmp_path):
     assert report["delta"] < 1.2 * own, report
     print(f"checkpoint {size / 1e6:.0f} MB: peak RSS growth {report['delta'] / 1e6:.0f} MB "
           f"= {report['delta'] / own:.2f} x (dense + expert blobs)")
-
-
-def test_the_expert_layout_alone_reads_no_dense_weight_and_loads_the_same_experts(tiny_dir):
-    """What the transfer process loads from: ``build_dense(dense=False)`` leaves every dense tensor on the
-    meta device (none read), and the experts streamed from it are the ones a dense-loaded model gives."""
-    from specter.models.loader import build_dense, load_store
-
-    folder = tiny_dir("qwen2_moe")
-    layout, loaded = build_dense(folder, torch.float32, dense=False), build_dense(folder, torch.float32)
-    assert layout.dense_bytes == 0 < loaded.dense_bytes
-    assert {p.device.type for p in layout.model.parameters()} == {"meta"}
-    assert (layout.moe_layers, layout.num_experts, layout.shape) == (loaded.moe_layers, loaded.num_experts, loaded.shape)
-    ours, theirs = load_store(layout), load_store(loaded)
-    assert all(torch.equal(ours.blob(layer, e), theirs.blob(layer, e))
-               for layer in loaded.moe_layers for e in range(loaded.num_experts))

@@ -22,6 +22,7 @@ from transformers.integrations.moe import ExpertsInterface
 from specter.experts.store import ExpertShape, ExpertStore
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.families import Family, family_for
+from specter.models.layout import config_dtype
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +79,16 @@ def build_dense(
     replace: dict[str, torch.Tensor] | None = None,
     skip: frozenset[str] = frozenset(),
     checkpoint: Checkpoint | None = None,
-    dense: bool = True,
 ) -> LoadedModel:
     """The transformers model with every dense tensor loaded and no routed expert materialized.
 
     ``replace``: disk key → tensor read instead of the checkpoint (a quantized checkpoint's dense
     modules, dequantized: ``<module>.weight``); ``skip``: disk keys not to read (their packed parts);
-    ``checkpoint``: ``model_dir``'s checkpoint when the caller has it open already. ``dense`` False:
-    nothing is read, the model stays on the meta device (``dense_bytes`` 0) — the expert layout alone,
-    what the transfer process needs to load the experts (the dense weights are the verifier's).
+    ``checkpoint``: ``model_dir``'s checkpoint when the caller has it open already. (The experts' layout
+    alone, without transformers: ``specter/models/layout.py``.)
     """
     checkpoint, config, family = load_config(model_dir, checkpoint)
-    dtype = dtype or _config_dtype(config)
+    dtype = dtype or config_dtype(checkpoint.config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=EXPERTS_IMPLEMENTATION)
     experts = _experts_modules(model)
@@ -100,7 +99,7 @@ def build_dense(
     shape = ExpertShape(hidden=hidden, intermediate=two_i // 2, dtype=dtype)
     for module in experts.values():
         _drop_fused(module)
-    dense_bytes = _load_dense(model, checkpoint, family, replace or {}, skip) if dense else 0
+    dense_bytes = _load_dense(model, checkpoint, family, replace or {}, skip)
     model.eval()
     top_k = int(config.num_experts_per_tok)
     return LoadedModel(
@@ -115,13 +114,6 @@ def load_store(
     store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.shape, pin=pin, arena=arena)
     store.load(loaded.checkpoint, loaded.family, progress=progress)
     return store
-
-
-def _config_dtype(config: PretrainedConfig) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -30,7 +30,8 @@ def wire(call: Call, transfer: Any, verifier: Any, draft: Any | None, startup_s:
         wanted = endpoint("ipc", "draft", directory=info["ipc_dir"])
         draft_endpoint = call(draft, "bind", wanted, startup_s, timeout=startup_s)
         call(draft, "connect_plans", info["endpoint"], timeout=startup_s)
-    slots = call(verifier, "connect", info["slots"], info["endpoint"], draft_endpoint, timeout=startup_s)
+    slots = call(verifier, "connect", info["slots"], info["endpoint"], draft_endpoint, info["layout"],
+                 timeout=startup_s)
     return str(info["ipc_dir"]), int(slots)
 
 

@@ -1,13 +1,25 @@
-"""A stand-in role for the plain-process launcher's own tests: it answers what its process sees."""
+"""Stand-in roles for the plain-process launcher's own tests: one answers what its process sees,
+one is slow to build."""
 
 from __future__ import annotations
 
 import os
+import time
 
 
 class EnvRole:
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def close(self) -> None:
+        pass
+
+
+class SlowRole:
+    """A role that takes ``seconds`` to build (a model still loading)."""
+
+    def __init__(self, seconds: float):
+        time.sleep(seconds)
 
     def close(self) -> None:
         pass

@@ -22,7 +22,6 @@ from specter.draft.loading import load_draft
 from specter.draft.resident import ResidentDraft
 from specter.engine import Engine
 from specter.remote.processes import ROLES, ProcessEngine, RoleError, RoleGone, RoleProcess, launch_processes
-from specter.remote.segments import unlink_prefix
 from specter.target import OffloadedTarget
 
 PROMPT = [5, 99, 17, 42, 8, 63, 21]
@@ -103,23 +102,21 @@ def test_a_role_that_cannot_start_is_named_and_nothing_is_left(models, tmp_path)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"specter-p{os.getpid()}-")]
 
 
-def test_a_role_that_fails_while_another_still_loads_is_named_by_its_own_error(models, tmp_path) -> None:
-    """The draft fails at once while the transfer process is still loading: the driver, waiting on the
-    transfer and watching the draft, reports the draft's own error, not just that its process exited
-    (which launch order made intermittent: seen once in a run of the actor tests)."""
-    folder, _ = models
+def test_a_role_that_fails_while_another_still_loads_is_named_by_its_own_error(tmp_path, monkeypatch) -> None:
+    """The draft fails at once while another role is still building (a stand-in that takes 30 s): the
+    driver, waiting on that role and watching the draft, reports the draft's own error, not just that
+    its process exited (which launch order made intermittent: seen once in a run of the actor tests)."""
+    monkeypatch.setitem(ROLES, "slow", "probe_role.SlowRole")
     draft = RoleProcess("draft", str(tmp_path / "no-such-draft"), 30.0, "auto")
     draft.process.join(120)  # it has sent its error and exited
     assert not draft.alive()
-    prefix = f"specter-p{os.getpid()}-{os.urandom(4).hex()}"
-    transfer = RoleProcess("transfer", str(folder), BUDGET, LINK, prefix, 30.0)
+    slow = RoleProcess("slow", 30.0)
     try:
         with pytest.raises(RoleError, match="draft process could not start: .*no-such-draft"):
-            transfer.ready(120, [draft])  # just spawned: still importing when the watch looks
+            slow.ready(120, [draft])
     finally:
-        transfer.stop(10)
+        slow.stop(1)
         draft.stop(1)
-        unlink_prefix(prefix)
 
 
 def test_each_role_process_takes_the_drivers_environment_as_it_is_at_its_start(monkeypatch) -> None:

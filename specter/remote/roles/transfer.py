@@ -26,7 +26,7 @@ import torch
 
 from specter.config import LinkConfig, SlotConfig
 from specter.experts.store import ExpertStore
-from specter.models.loader import build_dense, load_store
+from specter.models.layout import read_layout
 from specter.remote.channel import Channel
 from specter.remote.counters import SharedCounters
 from specter.remote.endpoints import private_ipc_dir
@@ -36,7 +36,6 @@ from specter.remote.segments import new_prefix, unlink_prefix
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots
 from specter.remote.transfer_server import TransferServer
-from specter.target import slot_groups
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +63,17 @@ class TransferRole:
         self.metrics: Metrics = metrics or NoMetrics()
         self.metrics_every_s = metrics_every_s
         device = role_device(link)
-        loaded = build_dense(model_dir, compute_dtype(device, dtype), dense=False)  # the expert layout: no weights read
+        layout = read_layout(model_dir, compute_dtype(device, dtype))  # from the checkpoint's headers: no model built
+        self.layout = layout.facts()
         self.prefix = prefix or new_prefix("specter")
-        numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
-        self.arena = SharedArena.create(store_name(self.prefix), numel, loaded.shape.dtype)
-        self.store = load_store(loaded, arena=self.arena.tensor)
+        numel = ExpertStore.arena_numel(layout.moe_layers, layout.num_experts, layout.shape)
+        self.arena = SharedArena.create(store_name(self.prefix), numel, layout.shape.dtype)
+        self.store = ExpertStore(layout.moe_layers, layout.num_experts, layout.shape, arena=self.arena.tensor)
+        self.store.load(layout.checkpoint, layout.family)
         if device.type == "cuda":
             self.arena.pin()  # the copy stream's copies from it run asynchronously
-        groups = slot_groups(budget, loaded)
+        groups = budget.groups(layout.moe_layers, layout.num_experts, layout.shape.nbytes, layout.top_k)
         num_slots = sum(groups.values())
-        del loaded  # the dense parts are the verifier's (never read here); only the blobs stay
         self.slots = SharedSlots.create(self.prefix, num_slots, self.store.shape.numel, self.store.shape.dtype,
                                         device)
         self.shared_counters = SharedCounters(self.prefix, create=True)
@@ -99,6 +99,7 @@ class TransferRole:
             "ipc_dir": str(self.ipc.path),
             "endpoint": self.channel.address,
             "pid": os.getpid(),
+            "layout": self.layout,
         }
 
     def start(self, handshake_timeout_s: float | None = None) -> None:

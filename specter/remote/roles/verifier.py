@@ -36,6 +36,7 @@ from specter.engine import Engine
 from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
 from specter.models.graphed import window_counts
+from specter.models.layout import layout_facts
 from specter.models.loader import LoadedModel, build_dense
 from specter.plan import drafts, make_policy
 from specter.plan.window import WindowChooser
@@ -114,11 +115,20 @@ class VerifierRole:
         # moved) and is not mixed between the two modes (a round drafted ahead costs no drafting)
         self._choosers: dict[tuple[str, bool], WindowChooser] = {}
 
-    def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None) -> int:
+    def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None,
+                layout: dict[str, Any] | None = None) -> int:
         """Attach the shared slots, connect and handshake both channels, fill the initial slots.
+
+        ``layout``: the transfer process's expert layout (``TransferRole.info``'s, read from the
+        checkpoint's headers); it must be the one this side's model has.
 
         Returns the number of slots.
         """
+        loaded = self._loaded or build_dense(self.model_dir, compute_dtype(self.device, self.dtype))
+        ours = layout_facts(loaded.moe_layers, loaded.num_experts, loaded.top_k, loaded.shape)
+        if layout is not None and layout != ours:
+            raise RuntimeError(f"{self.model_dir}: the transfer process read the experts' layout {layout} from the "
+                               f"checkpoint's tensors, the verifier's model has {ours}")
         handle = msgspec.json.decode(slots_json, type=SlotsHandle)
         self.slots = SharedSlots.attach(handle)
         if self.slots.storage.device.type != self.device.type:
@@ -126,7 +136,6 @@ class VerifierRole:
                                f"the verifier computes on {self.device}")
         self.device = self.slots.storage.device
         self.counters = SharedCounters(handle.prefix, create=False)
-        loaded = self._loaded or build_dense(self.model_dir, compute_dtype(self.device, self.dtype))
         numel = ExpertStore.arena_numel(loaded.moe_layers, loaded.num_experts, loaded.shape)
         self.arena = SharedArena.map_readonly(store_name(handle.prefix), numel, loaded.shape.dtype)
         self.index = SharedIndex(handle.prefix, max(loaded.moe_layers) + 1, loaded.num_experts, create=False)

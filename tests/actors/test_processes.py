@@ -29,6 +29,7 @@ NEW = 12
 LINK = LinkConfig(kind="sim", bandwidth=2e9, latency=5e-6)
 BUDGET = SlotConfig(fraction=0.25)
 ROOT = Path(__file__).resolve().parents[2]
+ROLES_MODULES = ["specter.remote.roles.draft", "specter.remote.roles.transfer", "specter.remote.roles.verifier"]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,32 @@ def test_specter_generate_processes_on_the_command_line(models) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == _in_process(folder, draft, "specter", 3)
+
+
+_NO_CUDA_AT_IMPORT = """
+import importlib, torch
+touched = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "get_device_capability",
+             "get_device_properties", "is_bf16_supported", "mem_get_info", "set_device"):
+    def spy(*args, _name=name, **kwargs):
+        touched.append(_name)
+        raise RuntimeError("CUDA touched while the fork server's modules import")
+    setattr(torch.cuda, name, spy)
+from specter.remote.processes import PRELOAD
+for module in PRELOAD:
+    importlib.import_module(module)
+print(sorted(PRELOAD), touched)
+"""
+
+
+def test_the_fork_servers_modules_touch_no_cuda_when_imported() -> None:
+    """The roles fork from a server that imported ``PRELOAD``: CUDA initialized there (a device query
+    is enough: it runs ``cuInit``) would be unusable in every forked role on a GPU. Each CUDA query a
+    module could make at import raises here, and none is made."""
+    proc = subprocess.run([sys.executable, "-c", _NO_CUDA_AT_IMPORT], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"{sorted(ROLES_MODULES)} []"
 
 
 def test_prepared_steps_through_processes_run_no_step_cold_and_stay_lossless() -> None:

@@ -68,6 +68,20 @@ def test_fused_expert_tensors_give_the_same_layout(tiny_dir, tmp_path):
     assert read_layout(folder).facts() == read_layout(tiny_dir("mixtral")).facts()
 
 
+def test_expert_tensors_of_a_layer_beyond_the_models_depth_are_not_its(tiny_dir, tmp_path):
+    """DeepSeek-V3's checkpoints carry a multi-token-prediction layer past ``num_hidden_layers``
+    (layer 61 of 61), experts and all; transformers' model ignores it, and so does the layout."""
+    folder = _copy(tiny_dir, "deepseek_v3", tmp_path / "m")
+    tensors = _tensors(folder)
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items()
+             if k.startswith("model.layers.2.")}
+    save_file({**tensors, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded = build_dense(folder, torch.float32)
+    assert read_layout(folder, torch.float32).facts() == \
+        layout_facts(loaded.moe_layers, loaded.num_experts, loaded.top_k, loaded.shape)
+    assert loaded.moe_layers == [1, 2]
+
+
 def test_a_checkpoint_without_routed_experts_is_refused_by_name(tiny_dir, tmp_path):
     folder = _copy(tiny_dir, "olmoe", tmp_path / "m")
     save_file({k: v for k, v in _tensors(folder).items() if ".experts." not in k}, str(folder / "model.safetensors"),

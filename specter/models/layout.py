@@ -58,6 +58,7 @@ def read_layout(model_dir: str | Path, dtype: torch.dtype | None = None,
     family = family_for(checkpoint.config.get("model_type"))
     projections = "|".join(family.proj_names)
     pattern = re.compile(rf"^model\.layers\.(\d+)\.{family.disk_moe}\.experts\.(?:(\d+)\.({projections})\.weight|(gate_up_proj))$")
+    depth = checkpoint.config.get("num_hidden_layers")
     experts: dict[int, set[int]] = {}
     shapes: dict[int, tuple[int, int]] = {}  # layer -> (hidden, intermediate)
     for key, entry in checkpoint.entries.items():
@@ -65,6 +66,8 @@ def read_layout(model_dir: str | Path, dtype: torch.dtype | None = None,
         if found is None:
             continue
         layer = int(found[1])
+        if isinstance(depth, int) and layer >= depth:  # not the model's (DeepSeek-V3's MTP layer 61 on disk)
+            continue
         if found[4]:  # fused: (E, 2I, H)
             if len(entry.shape) != 3:
                 raise CheckpointError(f"tensor {key!r} in {entry.path} has shape {entry.shape}, expected (E, 2I, H)")

@@ -16,7 +16,7 @@ fi
 # outside this folder: Ray workers and `ray job submit` entrypoints run elsewhere).
 installed=$(cd / && python3 -c "import importlib.util as u, os; print(os.path.dirname(os.path.dirname(os.path.realpath(u.find_spec('specter').origin))))" \
             2>/dev/null || true)
-if ! found specter ruff mypy pytest matplotlib scipy compressed_tensors openai httpx fastapi ray.serve; then
+if ! found specter ruff mypy pytest matplotlib compressed_tensors openai httpx fastapi ray.serve; then
   python3 -m pip install --quiet -e ".[dev]"
   touch .install-stamp
 elif [ "$installed" != "$(pwd -P)" ] || [ pyproject.toml -nt .install-stamp ]; then

@@ -5,6 +5,7 @@ verifier refusing a transfer process whose layout differs from its model's."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -68,18 +69,23 @@ def test_fused_expert_tensors_give_the_same_layout(tiny_dir, tmp_path):
     assert read_layout(folder).facts() == read_layout(tiny_dir("mixtral")).facts()
 
 
-def test_expert_tensors_of_a_layer_beyond_the_models_depth_are_not_its(tiny_dir, tmp_path):
+def test_expert_tensors_of_a_layer_beyond_the_models_depth_are_not_its(tiny_dir, tmp_path, caplog):
     """DeepSeek-V3's checkpoints carry a multi-token-prediction layer past ``num_hidden_layers``
-    (layer 61 of 61), experts and all; transformers' model ignores it, and so does the layout."""
+    (layer 61 of 61), experts and all; transformers' model ignores it, and so does the layout. Its
+    dense tensors are named in one warning, not one each."""
     folder = _copy(tiny_dir, "deepseek_v3", tmp_path / "m")
     tensors = _tensors(folder)
     extra = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items()
              if k.startswith("model.layers.2.")}
     save_file({**tensors, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    loaded = build_dense(folder, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="specter.models.loader"):
+        loaded = build_dense(folder, torch.float32)
     assert read_layout(folder, torch.float32).facts() == \
         layout_facts(loaded.moe_layers, loaded.num_experts, loaded.top_k, loaded.shape)
     assert loaded.moe_layers == [1, 2]
+    dense = sorted(k for k in extra if ".experts." not in k)
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"ignoring {len(dense)} tensor(s) of the checkpoint the model has no parameter for: {', '.join(dense[:3])}, …"]
 
 
 def test_a_checkpoint_without_routed_experts_is_refused_by_name(tiny_dir, tmp_path):

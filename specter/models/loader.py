@@ -142,17 +142,19 @@ def _load_dense(
     replace: dict[str, torch.Tensor],
     skip: frozenset[str],
 ) -> int:
-    """Read every dense tensor into the model; error on any missing or unexpected tensor."""
+    """Read every dense tensor into the model; error on any missing one or one of the wrong shape, and
+    warn once about those the model has no parameter for."""
     expected: dict[str, torch.Tensor] = dict(model.named_parameters())
     expected.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
     state: dict[str, torch.Tensor] = {}
+    ignored: list[str] = []  # on disk, not in the model (DeepSeek-V3's multi-token-prediction layer)
     nbytes = 0
     for key in sorted(set(checkpoint.entries) - skip | set(replace)):
         if family.is_expert_key(key):
             continue
         name = family.memory_name(key)
         if name not in expected:
-            log.warning("ignoring tensor %r from the checkpoint: the model has no %r", key, name)
+            ignored.append(key)
             continue
         tensor = replace[key] if key in replace else checkpoint.read(key)
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -161,6 +163,9 @@ def _load_dense(
             )
         state[name] = tensor.to(expected[name].dtype)
         nbytes += state[name].numel() * state[name].element_size()
+    if ignored:
+        log.warning("ignoring %d tensor(s) of the checkpoint the model has no parameter for: %s%s", len(ignored),
+                    ", ".join(ignored[:3]), ", …" if len(ignored) > 3 else "")
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -59,6 +59,29 @@ def test_load_errors_are_one_line_without_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"specter: error: model folder '{tmp_path / 'missing'}' does not exist"]
 
 
+_ENTRY = """
+import atexit, sys
+from specter.cli import entry
+atexit.register(lambda: print("exit handler ran", file=sys.stderr))
+sys.argv = ["specter", *sys.argv[1:]]
+entry()
+"""
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_the_command_ends_with_mains_status_its_output_flushed_and_the_exit_handlers_run(tiny_dir, good):
+    """``entry`` (the console script, ``python -m specter.cli``) skips the interpreter's teardown, not
+    what a normal exit does first: the JSON line is all there, a registered exit handler ran, and the
+    status is ``main``'s."""
+    model = tiny_dir("olmoe") if good else tiny_dir("olmoe") / "missing"
+    proc = subprocess.run([sys.executable, "-c", _ENTRY, "generate", "--model", str(model), "--prompt-ids", "1,2,3",
+                           "--max-new-tokens", "3", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == (0 if good else 1), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "exit handler ran"
+    if good:
+        assert len(json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]) == 3
+
+
 def test_budget_below_minimum_is_refused(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1", "--budget", "0.05"]) == 1
     assert "minimum is 2 slots" in capsys.readouterr().err

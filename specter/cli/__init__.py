@@ -2,12 +2,22 @@
 
 Bad flags exit with status 2 and one line naming the flag; load errors exit with status 1 and
 one line naming the thing at fault. Neither prints a traceback.
+
+``entry`` is the command itself (the console script and ``python -m specter.cli``): ``main``, then the
+process's exit handlers, then the process ends without the interpreter's teardown of every module
+(torch, transformers, Ray), which took 1.4 s after an in-process ``generate`` and 1.7 s after one
+through Ray on a 2-core CPU, with nothing left to do: every command has closed, flushed or fsynced
+what it wrote and stopped what it started (Ray, the role processes) before it returns.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 import sys
+from typing import NoReturn
 
 from specter.cli.args import build_parser
 from specter.cli.bench import run_bench
@@ -16,7 +26,7 @@ from specter.draft.quantize.cli import run_quantize
 from specter.models.checkpoint import CheckpointError
 from specter.remote.roles.base import RoleStartError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "entry", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,3 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 2
 
+
+def entry() -> NoReturn:
+    """``specter``: ``main``'s status, once the exit handlers have run and the output is flushed.
+    An exception from ``main`` (a bad flag's ``SystemExit`` too) leaves through the normal exit."""
+    code = main()
+    atexit._run_exitfuncs()  # what a normal exit runs first: Ray's, multiprocessing's, weakref finalizers
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (``| head``), or a stream closed
+            stream.flush()
+    os._exit(code)

@@ -1,7 +1,5 @@
 """``python -m specter.cli …`` is ``specter …``."""
 
-import sys
+from specter.cli import entry
 
-from specter.cli import main
-
-sys.exit(main())
+entry()

@@ -57,7 +57,8 @@ def read_layout(model_dir: str | Path, dtype: torch.dtype | None = None,
     checkpoint = checkpoint or Checkpoint(model_dir)
     family = family_for(checkpoint.config.get("model_type"))
     projections = "|".join(family.proj_names)
-    pattern = re.compile(rf"^model\.layers\.(\d+)\.{family.disk_moe}\.experts\.(?:(\d+)\.({projections})\.weight|(gate_up_proj))$")
+    pattern = re.compile(rf"^model\.layers\.(\d+)\.{family.disk_moe}\.experts\."  # per expert, or fused
+                         rf"(?:(\d+)\.({projections})\.weight|(gate_up_proj))$")
     depth = checkpoint.config.get("num_hidden_layers")
     experts: dict[int, set[int]] = {}
     shapes: dict[int, tuple[int, int]] = {}  # layer -> (hidden, intermediate)

@@ -85,8 +85,8 @@ def _inner_k_tiles(inp: int) -> int:
 class Int4Layer:
     """One MoE layer's experts in the int4 kernel's layout, stacked (each expert's weights are views of
     the stacks): a step's ``T * k`` routed pairs (at most ``max_pairs``) gather their experts by the
-    device-side ids (``index_select``) and run one pair per kernel call, in a fixed number of ops:
-    no read of the routing, static shapes (a CUDA graph captures it).
+    device-side ids (``index_select``) and run one pair per kernel call, the activation once over all
+    pairs: a fixed number of ops, no read of the routing, static shapes (a CUDA graph captures it).
 
     Args:
         gate_ups, downs: the layer's experts' projections, in expert order (all ``_Int4``, no act-order).
@@ -112,16 +112,14 @@ class Int4Layer:
         x = hidden.repeat_interleave(k, dim=0) if tokens > 1 else hidden.expand(k, -1)
         if self.up_inv is not None:
             x = x * self.up_inv.index_select(0, ids)
-        down_inv = self.down_inv.index_select(0, ids) if self.down_inv is not None else None
-        outs = []
-        for p in range(tokens * k):  # a fixed count of pairs, each its gathered expert
-            gate, up = self.matmul(x[p : p + 1].contiguous(), up_w[p], self.up_group, up_s[p]).chunk(2, dim=-1)
-            h = act_fn(gate) * up
-            if down_inv is not None:
-                h = h * down_inv[p]
-            outs.append(self.matmul(h, down_w[p], self.down_group, down_s[p]))
-        pairs = torch.cat(outs).view(tokens, k, -1)
-        return weighted_sum(pairs, top_k_weights, residual)
+        pairs = range(tokens * k)  # a fixed count of pairs, each its gathered expert: one kernel call each
+        gate_up = torch.cat([self.matmul(x[p : p + 1].contiguous(), up_w[p], self.up_group, up_s[p]) for p in pairs])
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = act_fn(gate) * up  # every pair's activation at once
+        if self.down_inv is not None:
+            h = h * self.down_inv.index_select(0, ids)
+        outs = torch.cat([self.matmul(h[p : p + 1], down_w[p], self.down_group, down_s[p]) for p in pairs])
+        return weighted_sum(outs.view(tokens, k, -1), top_k_weights, residual)
 
 
 def _stack_int4(projections: list[_Int4]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

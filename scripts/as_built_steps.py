@@ -1,7 +1,7 @@
 """The as-built clock's prediction for this code on the H200 (or an H100), eager and with CUDA graphs.
 
     python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--real-layers N]
-                                     [--gpu h200|h100] [--out DIR]
+                                     [--gpu h200|h100] [--draft-mode int4-kernel] [--out DIR]
 
 ``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
 ``qwen2moe-h200`` profile cut to 4 layers; ``--workload`` takes another of its workloads, e.g.
@@ -17,8 +17,10 @@ prompts, as a running engine (and ``specter bench``) keeps what it learnt. ``--d
 (default fp32, as the CPU's engine): whatever kernels a bf16 step issues that an fp32 one does not, the
 clock charges a floor each. ``--gpu h100``: the same on the device tool's other kind, an H100 (taken as
 the SXM part: 3.35 TB/s where the H200 has 4.8; ``qwen2moe-h100`` / ``mixtral-h100``), its link, host and
-dispatch costs the H200's (assumed: no H100 has run this code). Prints one JSON line per setting; writes
-``as_built_steps.json``.
+dispatch costs the H200's (assumed: no H100 has run this code). ``--draft-mode int4-kernel``: the draft's
+experts in int4, a step's pairs gathered (the GPU bench's ``-int4`` rows; default ``dequant-cache``, the
+GPU's default draft, bf16 copies of its experts); the clock charges the draft's experts as that mode
+computes them (``DraftModel.last_compute``). Prints one JSON line per setting; writes ``as_built_steps.json``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ parser.add_argument("--real-layers", type=int, default=vd.LAYERS,
 parser.add_argument("--gpu", default="h200", choices=("h200", "h100"),
                     help="whose memory and compute the kernels are charged at (default h200, the lent one that "
                          "calibrated the dispatch costs; h100: the SXM part's 3.35 TB/s, the rest assumed the H200's)")
+parser.add_argument("--draft-mode", default="dequant-cache", choices=("dequant-cache", "int4-kernel"),
+                    help="how the draft holds its experts (default dequant-cache: bf16 copies, a GPU's default; "
+                         "int4-kernel: int4, a step's routed pairs gathered, as the GPU bench's -int4 rows)")
 args = parser.parse_args()
 if args.real_layers < 1:
     parser.error(f"--real-layers: expected 1 or more layers, got {args.real_layers}")
@@ -81,7 +86,7 @@ dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in 
 out = []
 for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-graphs", False),
                               ("static", "h200-graphs", True)):
-    draft = load_draft(work / "draft", device="cpu", mode="dequant-cache", step=step, dtype=dtype)
+    draft = load_draft(work / "draft", device="cpu", mode=args.draft_mode, step=step, dtype=dtype)
     for setting, (policy, budget, window) in [*vd.SETTINGS.items(), ("specter-kept", vd.SETTINGS["specter"])]:
         tpots, acc = [], []
         kept = None  # specter-kept: one K chooser through the prompts, as a running engine keeps it
@@ -107,7 +112,7 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
         row = {"workload": args.workload, "gpu": args.gpu, "dtype": args.dtype, "real_layers": args.real_layers,
-               "profile": profile.name, "step": step,
+               "profile": profile.name, "draft_mode": args.draft_mode, "step": step,
                "dispatch": dname, "prepared": prepared, "setting": setting, "tpot_ms": statistics.median(tpots),
                "per_layer_ms": statistics.median(tpots) / args.real_layers,
                "accepted_per_window": acc}

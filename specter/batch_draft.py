@@ -50,7 +50,7 @@ def draft_together(
         feeds = [pending[i] for i in order]
         logits = draft.forward_batch(feeds, [proposers[i].cache for i in order])
         proposers[0].clock.charge_draft(draft.last_routing, sum(map(len, feeds)),
-                                        sum(proposers[i].cached for i in order))
+                                        sum(proposers[i].cached for i in order), draft.last_compute)
         start = 0
         for n, i in enumerate(order):
             proposer, rows = proposers[i], len(feeds[n])

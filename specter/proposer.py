@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from specter.config import SamplingConfig
-from specter.models.routing import Routing
+from specter.models.routing import DraftCompute, Routing
 from specter.protocol import PlanDelta
 from specter.target import crop_cache
 from specter.timing.clock import WallClock
@@ -34,6 +34,9 @@ class Draft(Protocol):
 
     @property
     def last_routing(self) -> Routing: ...
+
+    @property
+    def last_compute(self) -> DraftCompute: ...
 
     def new_cache(self) -> DynamicCache: ...
 
@@ -204,7 +207,7 @@ class LocalProposer:
         """One draft forward over ``tokens`` after the cached positions, charged to the clock."""
         assert self.cache is not None, "prefill() first"
         logits = self.draft.forward(torch.tensor([tokens]), self.cache)
-        self.clock.charge_draft(self.draft.last_routing, len(tokens), self.cached)
+        self.clock.charge_draft(self.draft.last_routing, len(tokens), self.cached, self.draft.last_compute)
         self.cached += len(tokens)
         self.last_logits = logits[0, -1]
         return logits

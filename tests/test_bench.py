@@ -89,7 +89,8 @@ def test_bench_runs_every_policy_on_a_tiny_model(tiny_dir, tmp_path):
     assert {f.name for f in files} >= {"tpot.png", "speedup.png", "time_split.png", "recall_vs_k.png"}
 
 
-def test_graphed_steps_on_the_as_built_clock_are_made_ready_first_and_dispatch_less(tiny_dir, tmp_path, capsys):
+def test_graphed_steps_on_the_as_built_clock_are_made_ready_first_and_dispatch_less(tiny_dir, tmp_path, capsys,
+                                                                                     caplog):
     """``--graphs``: the steps a GPU replays (each piece one launch) at the graphs' calibration, every token
     count made ready before the timed runs; the eager steps' run of the same prompts dispatches more."""
     folder = tiny_dir("qwen2_moe")
@@ -102,6 +103,9 @@ def test_graphed_steps_on_the_as_built_clock_are_made_ready_first_and_dispatch_l
                                    clock="as-built", graphs=graphs)
         runs[graphs] = bench.run(config, progress=False)
     eager, graphed = runs[False], runs[True]
+    # an int8 draft: its experts do not take the int4 kernel, so as built it runs its dequantized cache, said so
+    assert eager["draft_mode"] == graphed["draft_mode"] == "dequant-cache"
+    assert "do not all take the int4 kernel" in caplog.text
     assert graphed["graphs"] and "h200-graphs" in graphed["dispatch"] and "h200-eager" in eager["dispatch"]
     for policy in ("demand-lru", "specter+fixed"):
         before, after = (r["profiles"]["qwen2moe-pcie4"]["runs"][policy] for r in (eager, graphed))
@@ -116,6 +120,18 @@ def test_graphed_steps_on_the_as_built_clock_are_made_ready_first_and_dispatch_l
     with pytest.raises(SystemExit) as exited:
         specter_main(["bench", "--model", str(folder), "--graphs"])
     assert exited.value.code == 2 and "--graphs" in capsys.readouterr().err
+
+
+def test_the_as_built_clock_runs_the_int4_draft_where_its_experts_take_the_kernel():
+    """As built, the draft is the one a profile's memory holds beside its target: its experts in int4, a
+    step's routed pairs gathered (what ``DraftModel.last_compute`` tells the clock to charge)."""
+    from specter.assets import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    for graphs in (False, True):
+        config = bench.BenchConfig(str(DEFAULT_MODEL), str(DEFAULT_DRAFT), [[3, 17, 25, 9]], ["qwen2moe-pcie4"],
+                                   policies=["specter+fixed"], new_tokens=4, windows={"specter": 2},
+                                   clock="as-built", graphs=graphs)
+        assert bench.run(config, progress=False)["draft_mode"] == "int4-kernel"
 
 
 def test_a_host_variant_alone_gets_its_k_from_a_scan_not_its_default(tiny_dir):

@@ -104,6 +104,40 @@ def test_cost_model_is_the_real_models_step_on_its_gpu():
     assert small.dense_s(2048, 0) > 10 * small.dense_s(1, 0)
 
 
+def test_the_as_built_clock_charges_the_draft_as_it_computed_its_experts():
+    """The ideal engine's draft runs each distinct expert through the int4 kernel once; as built, a
+    draft holding bf16 copies reads their bytes, and a gathered int4 step copies each routed pair's
+    codes (read and written) before its kernel reads them — per pair, even when two tokens share one."""
+    from specter.timing.dispatch import DISPATCH
+
+    p = PROFILES["mixtral-pcie4"]
+    hbm = 1.555e12 * 0.7
+    one = 3 * 4096 * 14336 * 2 / hbm  # a Mixtral expert's bf16 read; one token's flops are far below it
+    int4_bytes = (4 + 2 * 16 / 128) / 16  # 4-bit codes and a 16-bit scale and zero per 128, over 16 bits
+    small = dataclasses.replace(cost_model(p, 4, 2, expert_nbytes=3 * 64 * 32 * 4, expert_numel=3 * 64 * 32),
+                                launches=False)
+    probs = torch.full((1, 2), 0.5)
+    step = {0: (torch.tensor([[3, 5]]), probs)}
+    dense = small.dense_s(1, 0)
+    sigma = small.sigma
+    assert small.draft_s(step, 1, 0) == pytest.approx(dense + 2 * sigma * W4_TIME_RATIO * one)
+    assert small.draft_s(step, 1, 0, {0: "bf16"}) == pytest.approx(dense + 2 * sigma * one)
+    gathered = (W4_TIME_RATIO + 2 * int4_bytes) * one
+    assert small.draft_s(step, 1, 0, {0: "int4-gathered"}) == pytest.approx(dense + 2 * sigma * gathered)
+    two = {0: (torch.tensor([[3, 5], [5, 3]]), probs.repeat(2, 1))}  # two tokens on the same two experts
+    assert small.draft_s(two, 2, 0, {0: "int4-gathered"}) == pytest.approx(small.dense_s(2, 0) + 4 * sigma * gathered)
+    assert small.draft_s(two, 2, 0, {0: "int4"}) == pytest.approx(small.dense_s(2, 0) + 2 * sigma * W4_TIME_RATIO * one,
+                                                                   rel=1e-3)
+    with pytest.raises(ValueError, match="draft compute: expected one of int4, int4-gathered, bf16, dequant, got 'fp8'"):
+        small.draft_s(step, 1, 0, {0: "fp8"})
+    # The virtual clock is the ideal engine's whatever the draft did; the as-built clock charges what it did.
+    ideal, built = VirtualClock(small), VirtualClock(small, dispatch=DISPATCH["h200-graphs"])
+    for clock in (ideal, built):
+        clock.charge_draft(step, 1, 0, {0: "bf16"})
+    assert ideal.draft_charged == pytest.approx(dense + 2 * sigma * W4_TIME_RATIO * one)
+    assert built.draft_charged == pytest.approx(dense + 2 * sigma * one)
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
 def setup(request, tiny_dir, tmp_path_factory):
     folder = tiny_dir(request.param)

@@ -348,8 +348,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--rho", type=_positive, default=None,
                        help="set every profile's link so that the offload pressure is R (default: the profile's)")
     bench.add_argument("--draft-mode", choices=("auto", "int4-kernel", "dequant-cache", "dequant-on-the-fly"),
-                       default=None, help="the draft's expert mode (default: auto on the wall clock, else "
-                                          "dequant-cache: a timed choice varies the draft's tokens)")
+                       default=None, help="the draft's expert mode (default: auto on the wall clock; int4-kernel "
+                                          "on the as-built clock, the int4 draft a profile's memory holds, its "
+                                          "experts charged as it computes them; else dequant-cache: a timed "
+                                          "choice varies the draft's tokens)")
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--out", default="runs/bench", help="folder for results.json and plots")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specter.models.routing import Routing, RoutingRecorder, read_routing
+from specter.models.routing import DraftCompute, Routing, RoutingRecorder, read_routing
 
 
 class ResidentDraft:
@@ -23,6 +23,7 @@ class ResidentDraft:
         self.device = torch.device(device)
         self.recorder = RoutingRecorder(self.model)
         self.last_routing: Routing = {}  # the latest forward's, on the host (one read per forward)
+        self.last_compute: DraftCompute = {}  # every layer's experts in full precision
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
@@ -31,4 +32,5 @@ class ResidentDraft:
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
         self.last_routing, _ = read_routing(self.recorder.last)
+        self.last_compute = dict.fromkeys(self.last_routing, "bf16")
         return out.logits.float()

@@ -19,14 +19,14 @@ import torch
 from transformers import DynamicCache
 
 from specter.draft.format.published import Scheme, UnsupportedDraftFormat, quantized_modules, scheme_for
-from specter.draft.kernels import ExpertKernels, ExpertWeights, choose_mode
+from specter.draft.kernels import ExpertKernels, ExpertWeights, Int4Layer, choose_mode
 from specter.experts.grouped import resident_experts
 from specter.models.checkpoint import Checkpoint, CheckpointError, read_config_dict, resolve_model_dir
 from specter.models.decode import LeanStep
 from specter.models.families import family_for
 from specter.models.graphed import GraphedStep, StaticKV, resolve_step
 from specter.models.loader import LoadedModel, build_dense
-from specter.models.routing import Routing, read_routing, read_routing_rows, router_modules
+from specter.models.routing import DraftCompute, Routing, read_routing, read_routing_rows, router_modules
 from specter.timing.dispatch import host_read, once_per_step
 
 log = logging.getLogger(__name__)
@@ -71,14 +71,33 @@ class DraftExperts:
         """Every token's k experts with the draft's quantized weights, weighted and summed (plus
         ``residual`` when given). ``rows``: one token's pair rows, made already (used by the stacked
         experts' grouped calls: ``grouped.resident_experts``)."""
-        stacked = self.kernels.stacked.get(layer) if self.grouped else None
-        if stacked is not None:
-            return resident_experts(hidden, top_k_index, top_k_weights, *stacked, module.act_fn, residual, rows=rows)
-        gathered = self.kernels.gathered.get(layer) if self.grouped else None
-        if gathered is not None and top_k_index.numel() <= gathered.max_pairs:  # a step: no read
-            return gathered(hidden, top_k_index, top_k_weights, module.act_fn, residual)
+        path = self.path(layer, top_k_index.numel())
+        if path == "bf16-grouped":
+            gate_up, down = self.kernels.stacked[layer]
+            return resident_experts(hidden, top_k_index, top_k_weights, gate_up, down, module.act_fn, residual,
+                                    rows=rows)
+        if path == "int4-gathered":  # a step: no read
+            return self.kernels.gathered[layer](hidden, top_k_index, top_k_weights, module.act_fn, residual)
         final = self._loop(module, layer, hidden, top_k_index, top_k_weights)
         return final if residual is None else residual + final
+
+    def path(self, layer: int, pairs: int) -> str:
+        """How ``layer``'s experts run for ``pairs`` routed (token, expert) pairs: ``bf16-grouped`` (the
+        stacked dequantized experts), ``int4-gathered`` (``Int4Layer``), or the per-expert loop
+        (``loop``)."""
+        if self.grouped and layer in self.kernels.stacked:
+            return "bf16-grouped"
+        if self.grouped and layer in self.kernels.gathered and pairs <= Int4Layer.max_pairs:
+            return "int4-gathered"
+        return "loop"
+
+    def compute(self, layer: int, pairs: int) -> str:
+        """What the clock charges for that path (``timing/profiles.py: DRAFT_EXPERT_READS``): the loop
+        computes each distinct expert once as the mode holds it."""
+        path = self.path(layer, pairs)
+        if path != "loop":
+            return "bf16" if path == "bf16-grouped" else path
+        return {"int4-kernel": "int4", "dequant-on-the-fly": "dequant"}.get(self.kernels.mode, "bf16")
 
     def _loop(
         self, module: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -116,6 +135,8 @@ class DraftModel:
         last_routing: layer → (ids LongTensor (T, k), probs FloatTensor (T, k)) of the last forward, on
             the host: read from the device once per forward, all layers together.
         last_token: the argmax of the last forward's last position, read in the same read.
+        last_compute: layer → how the last forward computed its experts (``DraftExperts.compute``:
+            what the as-built clock charges).
     """
 
     def __init__(
@@ -131,10 +152,11 @@ class DraftModel:
         self.dense_bytes = loaded.dense_bytes
         self.timings: dict[str, float] = {}
         self.last_routing: Routing = {}
+        self.last_compute: DraftCompute = {}
         self.last_token: int | None = None  # the latest forward's last-position argmax, read with its routing
         self.last_tokens: list[int] | None = None  # a batched forward's: each sequence's
         self._routing: Routing = {}  # the forward running now's, on the device (the routers' hooks)
-        runner = DraftExperts(kernels, grouped)
+        self.runner = runner = DraftExperts(kernels, grouped)
         for module in loaded.experts_modules.values():
             module.__dict__["_specter_runner"] = runner
         self._hooks = [
@@ -262,6 +284,7 @@ class DraftModel:
             logits = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None).logits
         with once_per_step:  # the routing and the last position's argmax (the greedy draft token) in one read
             self.last_routing, self.last_token = read_routing(self._routing, logits[0, -1])
+            self.last_compute = self._compute()
             return logits.float()
 
     @property
@@ -285,6 +308,7 @@ class DraftModel:
         self.last_routing, self.last_tokens = read_routing_rows(
             self._routing, torch.stack([row[0, -1] for row in logits]))
         self.last_token = None
+        self.last_compute = self._compute()
         return [row.float() for row in logits]
 
     def _static_forward(self, input_ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
@@ -296,6 +320,10 @@ class DraftModel:
         if step:
             self._routing = self.graphed.routing
         return logits
+
+    def _compute(self) -> DraftCompute:
+        """How the forward just read computed each layer's experts (its pairs: the routing's ids)."""
+        return {layer: self.runner.compute(layer, ids.numel()) for layer, (ids, _) in self.last_routing.items()}
 
     def step(self, input_ids: torch.Tensor, cache: DynamicCache | StaticKV | None = None) -> DraftStep:
         """One forward with its routing."""

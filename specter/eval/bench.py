@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 GRAPHS_DISPATCH = "h200-graphs"  # ``graphs``: the calibration of the engine with CUDA graphs (timing/dispatch.py)
 FIXED_DRAFT_MODE = "dequant-cache"  # the draft's expert mode off the wall clock (a timed choice varies tokens)
+AS_BUILT_DRAFT_MODE = "int4-kernel"  # as built: the draft a profile's memory holds beside its target, in int4
 BASELINE = "demand-lru"
 ACTORS_POLICY = "specter"  # the full policy, host compute included, through the three actors
 
@@ -143,12 +144,34 @@ def window_of(config: BenchConfig, policy: str) -> int:
     return config.windows.get(base, config.scanned.get(base, policy_class(policy).default_window))
 
 
+def as_built_draft(config: BenchConfig) -> Any:
+    """The draft on the as-built clock: in int4 where every expert takes the kernel (a step's pairs
+    gathered, as a real model's draft must be to fit beside its target); else the dequantized cache,
+    said so (a full-precision draft folder: itself)."""
+    try:
+        draft = load_draft(config.draft, mode=AS_BUILT_DRAFT_MODE, step=step_mode(config))
+    except ValueError as exc:  # the steps a GPU graphs need every layer gathered
+        reason = str(exc)
+    else:
+        kernels = getattr(draft, "kernels", None)
+        if kernels is None or (kernels.gathered and not kernels.kernel_fallbacks):
+            return draft
+        reason = f"{kernels.kernel_fallbacks} projections outside its shapes, {len(kernels.gathered)} layers gathered"
+        draft.close()
+    log.warning("bench: the draft's experts do not all take the int4 kernel (%s); as built with %s instead",
+                reason, FIXED_DRAFT_MODE)
+    return load_draft(config.draft, mode=FIXED_DRAFT_MODE, step=step_mode(config))
+
+
 def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every policy × prompt for every profile; returns the JSON-able results."""
     check(config)
     per_profile, step_s, per_token = timings(config)
-    mode = config.draft_mode or ("auto" if config.clock == "wall" else FIXED_DRAFT_MODE)
-    draft = load_draft(config.draft, mode=mode, step=step_mode(config))
+    if config.draft_mode is None and config.clock == "as-built":
+        draft = as_built_draft(config)
+    else:
+        mode = config.draft_mode or ("auto" if config.clock == "wall" else FIXED_DRAFT_MODE)
+        draft = load_draft(config.draft, mode=mode, step=step_mode(config))
     dispatch = per_profile[config.profiles[0]].dispatch
     results: dict[str, Any] = {"clock": config.clock, "graphs": config.graphs,
                                "dispatch": dispatch.describe() if dispatch is not None else None,

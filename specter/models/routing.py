@@ -11,6 +11,9 @@ from specter.timing.dispatch import host_read
 
 # layer → (top-k expert ids (T, k), their router probabilities (T, k)) of one forward
 Routing = dict[int, tuple[torch.Tensor, torch.Tensor]]
+# layer -> how a draft forward computed that layer's experts: "int4" | "int4-gathered" | "bf16" | "dequant"
+# (``timing/profiles.py: DRAFT_EXPERT_READS``; what the as-built clock charges)
+DraftCompute = dict[int, str]
 
 _ROUTER_NAMES = ("gate", "router")
 

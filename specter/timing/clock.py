@@ -11,7 +11,8 @@ advances the clock to when the transfer lands or the host is done. How long comp
 
 * ``costs`` given (clock name ``virtual``): *charged* from a cost model
   (``specter.timing.costs.CostModel``): a GPU's proportions, the same on any machine and under any load;
-* ``costs`` and ``dispatch`` given (clock name ``as-built``): the same kernel times, and the
+* ``costs`` and ``dispatch`` given (clock name ``as-built``): the same kernel times (the draft's
+  experts as the draft computed them: ``DraftModel.last_compute``, where the ideal draft runs int4), and the
   dispatch of the ops and reads the step actually issues (``specter.timing.dispatch``), counted as
   it runs: the host issues each op in ``dispatch.op_s`` and the device runs the charged kernels
   behind it, never before the host has issued them; a read of device data waits for the device to
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 from specter.timing.dispatch import Dispatch, DispatchCount
 
 if TYPE_CHECKING:
-    from specter.models.routing import Routing
+    from specter.models.routing import DraftCompute, Routing
 
 CLOCKS = ("wall", "virtual", "as-built", "measured")
 SPIN_S = 5e-4  # the wall clock stops sleeping this long before a deadline and yields instead
@@ -50,7 +51,7 @@ class Costs(Protocol):
 
     def expert_s(self, tokens: int) -> float: ...
 
-    def draft_s(self, routing: Routing, positions: int, context: int) -> float: ...
+    def draft_s(self, routing: Routing, positions: int, context: int, compute: DraftCompute | None = None) -> float: ...
 
     def describe(self) -> str: ...
 
@@ -88,8 +89,11 @@ class WallClock:
     def charge_expert(self, tokens: int) -> None:
         """One routed expert of the target on ``tokens`` tokens, from a device slot."""
 
-    def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
-        """One draft forward over ``positions`` positions with ``routing`` per MoE layer."""
+    def charge_draft(
+        self, routing: Routing, positions: int, context: int, compute: DraftCompute | None = None,
+    ) -> None:
+        """One draft forward over ``positions`` positions with ``routing`` per MoE layer, its experts
+        computed as ``compute`` says (``DraftModel.last_compute``)."""
 
     def counting(self) -> AbstractContextManager[object]:
         """Around a request: where the clock charges dispatch, the ops and reads are counted in it."""
@@ -211,9 +215,12 @@ class VirtualClock(WallClock):
         if self.costs is not None:
             self._device(self.costs.expert_s(tokens))
 
-    def charge_draft(self, routing: Routing, positions: int, context: int) -> None:
-        if self.costs is not None:
-            cost = self.costs.draft_s(routing, positions, context)
+    def charge_draft(
+        self, routing: Routing, positions: int, context: int, compute: DraftCompute | None = None,
+    ) -> None:
+        if self.costs is not None:  # the ideal engine's draft computes int4; as built, the draft's own path
+            as_built = compute if self.dispatch is not None else None
+            cost = self.costs.draft_s(routing, positions, context, as_built)
             self._device(cost)
             self.draft_charged += cost
 

@@ -21,7 +21,7 @@ from specter.timing.dispatch import DEFAULT_DISPATCH, DISPATCH, Dispatch
 from specter.timing.profiles import LAUNCH_S, Profile
 
 if TYPE_CHECKING:
-    from specter.models.routing import Routing
+    from specter.models.routing import DraftCompute, Routing
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,20 @@ class CostModel:
     def _launch_s(self) -> float:
         return LAUNCH_S if self.launches else 0.0
 
-    def draft_s(self, routing: Routing, positions: int, context: int) -> float:
-        """One draft forward: every layer's dense part, each distinct int4 expert on its tokens."""
+    def draft_s(self, routing: Routing, positions: int, context: int, compute: DraftCompute | None = None) -> float:
+        """One draft forward: every layer's dense part and its experts — each distinct one as int4 on
+        its tokens (the ideal engine's draft), or as ``compute`` says the draft computed each layer's
+        (``DraftModel.last_compute``; ``int4-gathered``: every routed pair its own copy and call)."""
         total = len(routing) * self.dense_s(positions, context)
-        for ids, _ in routing.values():  # host tensors (the draft read them): numpy, not a device read
-            counts = np.bincount(ids.numpy().ravel())
+        for layer, (ids, _) in routing.items():  # host tensors (the draft read them): numpy, not a device read
+            how = compute.get(layer, "int4") if compute is not None else "int4"
+            flat = ids.numpy().ravel()
+            if how == "int4-gathered":
+                total += len(flat) * self.sigma * self.profile.draft_expert_s(1, how, self._launch_s)
+                continue
+            counts = np.bincount(flat)
             for tokens in counts[counts > 0].tolist():
-                total += self.sigma * self.profile.expert_s(tokens, int4=True, launch_s=self._launch_s)
+                total += self.sigma * self.profile.draft_expert_s(tokens, how, self._launch_s)
         return total
 
     @property

@@ -22,6 +22,15 @@ LAUNCH_S = 3.5e-6  # one kernel launched back to back after another, at batch 1 
 DENSE_KERNELS = 12  # per layer: norms, q/k/v/o projections, rotary, attention, router, top-k, residuals
 EXPERT_KERNELS = 5  # per routed expert: gather, gate/up GEMV, activation×up, down GEMV, weighted add
 W4_TIME_RATIO = 0.73  # a W4A16 MoE expert GEMV at one token over its bf16 time (flashinfer PR 5301)
+INT4_BYTES = 4.25 / 16  # an int4 expert's bytes over its bf16 ones: the codes, a 16-bit scale and zero per 128
+# One draft expert's time over its bf16 read's, by how the draft computes it (``DraftModel.last_compute``;
+# the ideal engine's draft is ``int4``, the as-built clock charges the path the draft took):
+DRAFT_EXPERT_READS = {
+    "int4": W4_TIME_RATIO,  # the int4 kernel on the expert's resident codes
+    "int4-gathered": W4_TIME_RATIO + 2 * INT4_BYTES,  # its codes copied to the pair's buffer (read, write), then the kernel
+    "bf16": 1.0,  # a bf16 copy held on the device (dequant-cache, a full-precision draft)
+    "dequant": INT4_BYTES + 2.0,  # unpacked at each call: the codes read, a bf16 copy written, then read
+}
 FLOPS_EFFICIENCY = 0.5  # fraction of the GPU's bf16 tensor peak a prefill GEMM reaches
 
 
@@ -126,7 +135,16 @@ class Profile:
     def expert_s(self, tokens: int, int4: bool = False, launch_s: float = LAUNCH_S) -> float:
         """One routed expert on ``tokens`` tokens from device memory (``int4``: the draft's W4A16),
         plus its launches as in ``dense_layer_s``."""
-        read = self.expert_bytes / (self.hbm_bytes_per_s * self.efficiency) * (W4_TIME_RATIO if int4 else 1.0)
+        return self.draft_expert_s(tokens, "int4", launch_s) if int4 else self._expert_s(tokens, 1.0, launch_s)
+
+    def draft_expert_s(self, tokens: int, compute: str, launch_s: float = LAUNCH_S) -> float:
+        """One draft expert on ``tokens`` tokens computed as ``compute`` says (``DRAFT_EXPERT_READS``)."""
+        if compute not in DRAFT_EXPERT_READS:
+            raise ValueError(f"draft compute: expected one of {', '.join(DRAFT_EXPERT_READS)}, got {compute!r}")
+        return self._expert_s(tokens, DRAFT_EXPERT_READS[compute], launch_s)
+
+    def _expert_s(self, tokens: int, reads: float, launch_s: float) -> float:
+        read = self.expert_bytes / (self.hbm_bytes_per_s * self.efficiency) * reads
         flops = self.expert_flops * tokens / (self.gpu_flops * FLOPS_EFFICIENCY)
         return max(read, flops) + EXPERT_KERNELS * launch_s
 

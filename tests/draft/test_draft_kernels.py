@@ -104,6 +104,10 @@ def test_an_int4_step_gathers_its_experts_without_a_read_and_matches_the_expert_
     caches = [m.new_cache() for m in (gathered, looped, static, cache)]
     for model, kv in zip((gathered, looped, static, cache), caches, strict=True):
         model.forward(prompt, kv)
+    # what the as-built clock charges: a prompt's pairs go through the loop, once per distinct expert
+    assert set(gathered.last_compute.values()) == set(looped.last_compute.values()) == {"int4"}
+    assert set(gathered.last_compute) == set(gathered.last_routing)
+    assert set(cache.last_compute.values()) == {"bf16"}
     for step in ([[7]], [[31]], [[3, 90]]):  # one token, another, a round's catch-up of two
         ids = torch.tensor(step)
         with DispatchCount() as counted:
@@ -115,6 +119,8 @@ def test_an_int4_step_gathers_its_experts_without_a_read_and_matches_the_expert_
         torch.testing.assert_close(static.forward(ids, caches[2]), got, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got, want_cache, rtol=1e-3, atol=1e-3)
         assert counted.reads == counted_cache.reads == 1  # the step's routing and token, in one read
+        assert set(gathered.last_compute.values()) == set(static.last_compute.values()) == {"int4-gathered"}
+        assert set(looped.last_compute.values()) == {"int4"} and set(cache.last_compute.values()) == {"bf16"}
 
 
 def test_speculation_with_a_gathered_int4_draft_is_the_targets_greedy_output(plain_dir, draft_dir) -> None:

@@ -66,6 +66,10 @@ parser.add_argument("--gpu", default="h200", choices=("h200", "h100"),
 parser.add_argument("--draft-mode", default="dequant-cache", choices=("dequant-cache", "int4-kernel"),
                     help="how the draft holds its experts (default dequant-cache: bf16 copies, a GPU's default; "
                          "int4-kernel: int4, a step's routed pairs gathered, as the GPU bench's -int4 rows)")
+parser.add_argument("--shrink", type=int, default=None,
+                    help="divide the real shapes by N for the CPU's model (default: the workload's; the clock charges "
+                         "the real shapes either way): e.g. 4 for Qwen's shapes in int4, whose experts the kernel "
+                         "takes only from there (its 1408 / 8 = 176 is no multiple of 32)")
 args = parser.parse_args()
 if args.real_layers < 1:
     parser.error(f"--real-layers: expected 1 or more layers, got {args.real_layers}")
@@ -75,6 +79,7 @@ synthetic = vd._synthetic()
 work = Path(args.work or tempfile.mkdtemp(prefix="specter-as-built-"))
 work.mkdir(parents=True, exist_ok=True)
 shape, gain, profile_name, shrink = vd.WORKLOADS[args.workload]
+shrink = args.shrink or shrink
 model = work / "model"
 if not model.exists():
     synthetic.build_synthetic(shape, model, layers=4, gain=gain, shrink=shrink, dtype=torch.float32)
@@ -111,7 +116,7 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
-        row = {"workload": args.workload, "gpu": args.gpu, "dtype": args.dtype, "real_layers": args.real_layers,
+        row = {"workload": args.workload, "shrink": shrink, "gpu": args.gpu, "dtype": args.dtype, "real_layers": args.real_layers,
                "profile": profile.name, "draft_mode": args.draft_mode, "step": step,
                "dispatch": dname, "prepared": prepared, "setting": setting, "tpot_ms": statistics.median(tpots),
                "per_layer_ms": statistics.median(tpots) / args.real_layers,

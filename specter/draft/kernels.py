@@ -333,15 +333,31 @@ def _one_expert(kernels: ExpertKernels, x: torch.Tensor) -> Callable[[], torch.T
     return run
 
 
+CACHE_SHARE = 0.1  # ``auto`` on a GPU: the dequantized cache only where it takes at most this share of the free memory
+
+
 def choose_mode(
-    expert: ExpertWeights, dtype: torch.dtype, device: torch.device
+    expert: ExpertWeights, dtype: torch.dtype, device: torch.device, count: int = 1,
 ) -> tuple[str, dict[str, float]]:
-    """The faster of ``int4-kernel`` and ``dequant-cache`` for one decode token, with the timings."""
+    """``auto``'s mode for ``count`` experts shaped as ``expert``, with the timings behind it: on a CPU the
+    faster of ``int4-kernel`` and ``dequant-cache`` for one decode token; on a GPU ``device_mode``'s."""
     if device.type != "cpu":
-        return "dequant-cache", {}
+        return device_mode(expert, dtype, count, torch.cuda.mem_get_info(device)[0]), {}
     timings = time_modes(expert, dtype, device, tokens=1, repeat=30)
     candidates = {m: t for m, t in timings.items() if m in ("int4-kernel", "dequant-cache")}
     return min(candidates, key=lambda m: candidates[m]), timings
+
+
+def device_mode(expert: ExpertWeights, dtype: torch.dtype, count: int, free_bytes: int) -> str:
+    """``auto`` on a GPU: ``dequant-cache`` (bf16 copies: the fewer kernels a step) where the ``count``
+    experts' copies take at most ``CACHE_SHARE`` of the device's ``free_bytes``; else ``int4-kernel``
+    where the kernel takes them (4-bit, its shapes, bf16 compute). The copies hold as many bytes as
+    the target's routed experts: memory that, given to the target's slots, would hold every expert,
+    so a model that offloads at all wants its draft in int4 (a quarter of them)."""
+    gate_up = [fuse_rows(expert[0], expert[1])] if can_fuse(expert[0], expert[1]) else list(expert[:2])
+    cache = count * sum(q.shape[0] * q.shape[1] for q in (*gate_up, expert[2])) * dtype.itemsize
+    takes = dtype == torch.bfloat16 and all(kernel_accepts(q) for q in (*gate_up, expert[2]))
+    return "int4-kernel" if takes and cache > CACHE_SHARE * free_bytes else "dequant-cache"
 
 
 def _median_time(fn: Callable[[], object], repeat: int, device: torch.device) -> float:

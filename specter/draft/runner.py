@@ -187,7 +187,9 @@ class DraftModel:
         Args:
             draft_dir: the draft folder (config.json with ``quantization_config``, safetensors).
             device: ``cpu``/``cuda``; default cuda when available.
-            mode: ``auto`` | ``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly``.
+            mode: ``auto`` | ``int4-kernel`` | ``dequant-cache`` | ``dequant-on-the-fly`` (``auto``: on a CPU
+                the faster of the first two, timed; on a GPU the dequantized cache where it is small
+                beside the free memory, else int4: ``kernels.device_mode``).
             dtype: compute dtype; default fp32 on a CPU, the checkpoint's on a GPU. The stored
                 weights (int4 codes and their scales, bf16 dense parts) are the same either way,
                 and fp32 holds each exactly; on a CPU bf16 matmuls cost more (a ``moe-fine-awq``
@@ -230,7 +232,7 @@ class DraftModel:
         experts, packed_bytes = read_experts(loaded, scheme)
         timings: dict[str, float] = {}
         if mode == "auto":
-            mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device)
+            mode, timings = choose_mode(next(iter(experts.values())), loaded.shape.dtype, device, len(experts))
         kernels = ExpertKernels(experts, mode, loaded.shape.dtype, device)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
         draft = cls(loaded, kernels, device, packed_bytes, lean=lean, fused=fused, grouped=grouped, step=step)

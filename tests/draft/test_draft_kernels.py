@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from specter.draft.format.qweight import quantize_weight
-from specter.draft.kernels import ExpertKernels, choose_mode, kernel_accepts, time_modes
+from specter.draft.kernels import (
+    CACHE_SHARE,
+    ExpertKernels,
+    choose_mode,
+    device_mode,
+    kernel_accepts,
+    time_modes,
+)
 from specter.draft.runner import DraftModel
 
 CPU = torch.device("cpu")
@@ -65,6 +72,21 @@ def test_auto_measures_and_picks_a_mode() -> None:
     assert all(t > 0 for t in timings.values())
     mode, _ = choose_mode(expert, torch.float32, CPU)
     assert mode in ("int4-kernel", "dequant-cache")
+
+
+def test_auto_on_a_gpu_keeps_the_dequantized_cache_only_where_it_is_small_beside_the_free_memory() -> None:
+    """Each expert's bf16 copies: (2 x 32 x 64 + 64 x 32) weights x 2 bytes = 12 KiB. A draft whose copies take
+    more than a tenth of the free memory holds its experts in int4, where the kernel takes them (bf16
+    compute, its shapes); otherwise, or where it does not, the copies."""
+    gen = torch.Generator().manual_seed(4)
+    expert = _expert(gen)
+    copies = (2 * 32 * 64 + 64 * 32) * 2 * 100  # 100 experts
+    assert CACHE_SHARE == 0.1
+    assert device_mode(expert, torch.bfloat16, 100, free_bytes=10 * copies) == "dequant-cache"  # exactly a tenth
+    assert device_mode(expert, torch.bfloat16, 100, free_bytes=10 * copies - 1) == "int4-kernel"
+    assert device_mode(expert, torch.float32, 100, free_bytes=copies) == "dequant-cache"  # CUDA's kernel is bf16's
+    odd = (*expert[:2], quantize_weight(torch.randn(64, 32, generator=gen), 4, 16, torch.float32))
+    assert device_mode(odd, torch.bfloat16, 100, free_bytes=copies) == "dequant-cache"  # group 16: no kernel
 
 
 def test_draft_model_int4_kernel_matches_dequant(draft_dir) -> None:

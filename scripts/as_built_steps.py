@@ -20,7 +20,9 @@ the SXM part: 3.35 TB/s where the H200 has 4.8; ``qwen2moe-h100`` / ``mixtral-h1
 dispatch costs the H200's (assumed: no H100 has run this code). ``--draft-mode int4-kernel``: the draft's
 experts in int4, a step's pairs gathered (the GPU bench's ``-int4`` rows; default ``dequant-cache``, the
 GPU's default draft, bf16 copies of its experts); the clock charges the draft's experts as that mode
-computes them (``DraftModel.last_compute``). Prints one JSON line per setting; writes ``as_built_steps.json``.
+computes them (``DraftModel.last_compute``). After each step kind's settings, ``draft-step``: one draft decode
+step alone (``vs_resident``: over the resident target step). Prints one JSON line per setting; writes
+``as_built_steps.json``.
 """
 
 from __future__ import annotations
@@ -88,6 +90,27 @@ profile = vd._profile(profile_name.replace("-h200", f"-{args.gpu}"), synthetic.S
 gen = torch.Generator().manual_seed(5)
 prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(3)]
 dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in the profile's time
+
+
+def draft_step_ms(draft, costs, dname: str, steps: int = 16) -> float:
+    """A draft decode step alone on the as-built clock (each token count's first steps run before the
+    counting, as prepared): its dispatch, its kernels' floors and its experts as it computed them."""
+    clock = VirtualClock(costs, dispatch=DISPATCH[dname])
+    cache = draft.new_cache()
+    draft.forward(torch.tensor([prompts[0]]), cache)
+    cached = len(prompts[0])
+    for token in range(4):
+        draft.forward(torch.tensor([[token + 3]]), cache)
+        cached += 1
+    with clock.counting():
+        start = clock.now()
+        for token in range(steps):
+            draft.forward(torch.tensor([[token + 7]]), cache)
+            clock.charge_draft(draft.last_routing, 1, cached, draft.last_compute)
+            cached += 1
+        return (clock.now() - start) / steps * 1e3
+
+
 out = []
 for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-graphs", False),
                               ("static", "h200-graphs", True)):
@@ -119,9 +142,18 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
         row = {"workload": args.workload, "shrink": shrink, "gpu": args.gpu, "dtype": args.dtype, "real_layers": args.real_layers,
                "profile": profile.name, "draft_mode": args.draft_mode, "step": step,
                "dispatch": dname, "prepared": prepared, "setting": setting, "tpot_ms": statistics.median(tpots),
+               "tpot_ms_prompts": tpots,
                "per_layer_ms": statistics.median(tpots) / args.real_layers,
                "accepted_per_window": acc}
         print(json.dumps(row), flush=True)
         out.append(row)
+    resident = next(r["tpot_ms"] for r in out[-len(vd.SETTINGS) - 1:] if r["setting"] == "resident")
+    ms = draft_step_ms(draft, replace(cost_model(profile, *dims), launches=False), dname)
+    row = {"workload": args.workload, "shrink": shrink, "gpu": args.gpu, "dtype": args.dtype,
+           "real_layers": args.real_layers, "profile": profile.name, "draft_mode": args.draft_mode, "step": step,
+           "dispatch": dname, "prepared": prepared, "setting": "draft-step", "tpot_ms": ms,
+           "per_layer_ms": ms / args.real_layers, "vs_resident": round(ms / resident, 3)}
+    print(json.dumps(row), flush=True)
+    out.append(row)
 Path(args.out).mkdir(parents=True, exist_ok=True)
 (Path(args.out) / "as_built_steps.json").write_text(json.dumps(out, indent=1))

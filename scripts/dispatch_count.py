@@ -11,7 +11,9 @@ CUDA graphs (``models/graphed.py``; each replay one op); ``--prepare`` makes eve
 ready before the runs (``Engine.prepare_steps``, as the GPU bench does), so no count's first steps run
 eagerly inside them. Beside ops and reads, the kernels the device runs (inside a replay too): what a
 graphed step takes at least, a floor each (``Dispatch.kernel_s``). ``--dtype bfloat16`` computes as a
-GPU does, with the dtype conversions a bf16 step issues.
+GPU does, with the dtype conversions a bf16 step issues. After the settings, per step kind: a draft
+decode step alone (``--mode``: its experts' compute mode, e.g. ``int4-kernel`` with ``--method rtn``),
+per MoE layer per step.
 
     python scripts/dispatch_count.py [--tokens 32] [--steps eager,static] [--prepare] [--dtype bfloat16] [--json OUT]
 """
@@ -66,6 +68,19 @@ def count(engine: Engine, prompt: list[int], tokens: int) -> tuple[DispatchCount
     return diff, n2 - n1, len(ids) / rounds
 
 
+def count_draft(draft, prompt: list[int], steps: int) -> DispatchCount:
+    """A draft decode step's dispatch alone: ``steps`` one-token forwards after the prompt and two
+    warm steps (each token count's first steps are not a decode's), summed."""
+    cache = draft.new_cache()
+    draft.forward(torch.tensor([prompt]), cache)
+    for token in (3, 4):
+        draft.forward(torch.tensor([[token]]), cache)
+    with DispatchCount() as counted:
+        for token in range(steps):
+            draft.forward(torch.tensor([[5 + token % 7]]), cache)
+    return counted
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a checkpoint folder (default: the held-out model)")
@@ -104,6 +119,13 @@ def main() -> int:
                              "top": [(k, v / per) for k, v in sorted(counted.kernels_by_name.items(),
                                                                      key=lambda kv: -kv[1])[: args.top]]})
                 target.close()
+            counted = count_draft(draft, prompt, args.tokens)
+            per = args.tokens * len(target.loaded.moe_layers)
+            rows.append({"setting": f"draft step alone, {args.mode} ({step}, {args.dtype})", "tokens": args.tokens,
+                         "tokens_per_round": 1.0, "ops": counted.ops / per, "reads": counted.reads / per,
+                         "syncs": counted.syncs / per, "kernels": counted.kernels / per,
+                         "top": [(k, v / per) for k, v in sorted(counted.kernels_by_name.items(),
+                                                                 key=lambda kv: -kv[1])[: args.top]]})
     print("| setting | ops / MoE layer / token | kernels | host reads | implicit syncs | tokens / round |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:

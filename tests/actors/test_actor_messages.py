@@ -64,6 +64,10 @@ class _Draft:
     def last_routing(self) -> dict:
         return {0: (torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))}
 
+    @property
+    def last_compute(self) -> dict:
+        return {0: "int4"}
+
     def new_cache(self) -> object:
         return object()
 

@@ -153,6 +153,7 @@ class DraftModel:
         self.timings: dict[str, float] = {}
         self.last_routing: Routing = {}
         self.last_compute: DraftCompute = {}
+        self._computes: dict[int, DraftCompute] = {}  # pairs per layer → ``last_compute`` (``_compute``)
         self.last_token: int | None = None  # the latest forward's last-position argmax, read with its routing
         self.last_tokens: list[int] | None = None  # a batched forward's: each sequence's
         self._routing: Routing = {}  # the forward running now's, on the device (the routers' hooks)
@@ -324,8 +325,12 @@ class DraftModel:
         return logits
 
     def _compute(self) -> DraftCompute:
-        """How the forward just read computed each layer's experts (its pairs: the routing's ids)."""
-        return {layer: self.runner.compute(layer, ids.numel()) for layer, (ids, _) in self.last_routing.items()}
+        """How the forward just read computed each layer's experts: fixed for a loaded draft by its
+        pairs (the routing's ids), so made once per pair count (a step's hot path looks it up)."""
+        pairs = next(iter(self.last_routing.values()))[0].numel() if self.last_routing else 0
+        if pairs not in self._computes:
+            self._computes[pairs] = {layer: self.runner.compute(layer, pairs) for layer in self.last_routing}
+        return self._computes[pairs]
 
     def step(self, input_ids: torch.Tensor, cache: DynamicCache | StaticKV | None = None) -> DraftStep:
         """One forward with its routing."""

@@ -77,7 +77,7 @@ class CostModel:
         (``DraftModel.last_compute``; ``int4-gathered``: every routed pair its own copy and call)."""
         total = len(routing) * self.dense_s(positions, context)
         for layer, (ids, _) in routing.items():  # host tensors (the draft read them): numpy, not a device read
-            how = compute.get(layer, "int4") if compute is not None else "int4"
+            how = (compute or {}).get(layer, "int4")
             flat = ids.numpy().ravel()
             if how == "int4-gathered":
                 total += len(flat) * self.sigma * self.profile.draft_expert_s(1, how, self._launch_s)

@@ -121,7 +121,7 @@ def test_an_int4_step_gathers_its_experts_without_a_read_and_matches_the_expert_
     assert static.step_mode == "static"
     layer = next(iter(gathered.kernels.gathered.values()))
     first = gathered.kernels._gate_up[(min(gathered.kernels.gathered), 0)]
-    assert first.packed.data_ptr() == layer.up_packed[0].data_ptr()  # the experts' views of the stack
+    assert first.packed.data_ptr() == layer.packed.stack[0].data_ptr()  # the experts' views of the stack
     assert gathered.kernels.nbytes * 3 < cache.kernels.nbytes  # int4 on the device, not the cache
     caches = [m.new_cache() for m in (gathered, looped, static, cache)]
     for model, kv in zip((gathered, looped, static, cache), caches, strict=True):
@@ -164,3 +164,33 @@ def test_speculation_with_a_gathered_int4_draft_is_the_targets_greedy_output(pla
         target.close()
     assert tokens == want[0, len(prompt):].tolist()
     assert stats.extra["drafted"] > 0
+
+
+@pytest.mark.parametrize("scaled", ["none", "some", "all"])
+def test_a_gathered_layer_gathers_once_per_stack_and_matches_each_expert_alone(scaled: str) -> None:
+    """``Int4Layer`` keeps each expert's gate_up and down side by side in one row per stack, so a step
+    gathers once per stack (codes, scales, inverse AWQ scales where any expert has them); an expert
+    without the AWQ scales the others have gets ones in its row (a published checkpoint may scale some
+    experts only). Each pair's output is its expert's own, computed alone."""
+    from specter.draft.kernels import Int4Layer
+    from specter.timing.dispatch import DispatchCount
+
+    gen = torch.Generator().manual_seed(3)
+    experts = {(0, e): _expert(gen, awq=scaled == "all" or scaled == "some" and e != 1) for e in range(4)}
+    kernels = ExpertKernels(experts, "int4-kernel", torch.float32, CPU)
+    layer = kernels.gathered[0]
+    assert isinstance(layer, Int4Layer) and (layer.inv is None) == (scaled == "none")
+    hidden = torch.randn(2, 64, generator=gen)
+    ids = torch.tensor([[1, 3], [0, 1]])
+    weights = torch.rand(2, 2, generator=gen)
+    with DispatchCount() as counted:
+        got = layer(hidden, ids, weights, torch.nn.functional.silu)
+    assert counted.kernels_by_name["index_select"] == (2 if scaled == "none" else 3)
+    assert counted.kernels_by_name["_weight_int4pack_mm_for_cpu"] == 2 * ids.numel() and counted.reads == 0
+    want = torch.zeros(2, 64)
+    for t in range(2):
+        for j in range(2):
+            key = (0, int(ids[t, j]))
+            gate, up = kernels.gate_up(key, hidden[t : t + 1]).chunk(2, dim=-1)
+            want[t] += weights[t, j] * kernels.down(key, torch.nn.functional.silu(gate) * up)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -213,6 +213,32 @@ def test_try_pin_pins_only_an_unchanged_slot(pool: SharedSlots) -> None:
     assert not pool.try_pin(3, seq) and not pool.pinned(3)  # rewritten since seq: nothing pinned
 
 
+def test_a_closing_slot_writer_gives_up_a_copy_into_a_slot_a_reader_pins_for_good(pool: SharedSlots) -> None:
+    """The transfer process's copy waits while the verifier pins its slot; a verifier that died
+    pinning it never unpins. Closing the link must then end the copy at once, failed and naming the
+    slot, the slot left as it was (it held the link's close for its 5 s join, and its copy thread
+    spun on after that)."""
+    from specter.experts.link import DEMAND, LinkError
+    from specter.remote.counters import SharedCounters
+    from specter.remote.transfer_server import SlotWriterLink
+
+    counters = SharedCounters(pool.handle.prefix, create=True)
+    try:
+        seq = pool.write(1, (0, 1), torch.ones(16))
+        assert pool.try_pin(1, seq)  # the reader pins it and never releases it
+        link = SlotWriterLink(pool, counters, bandwidth=1e9)
+        transfer = link.submit((0, 2), 1, torch.zeros(16), pool.storage[1], DEMAND)
+        assert not transfer.done.wait(0.2)  # waiting for the pin
+        link.close()
+        assert transfer.done.is_set()  # close returned with the copy ended, not after its join's timeout
+        with pytest.raises(LinkError, match=r"slot 1 of .* still pinned by a reader as its writer closes"):
+            transfer.wait(1.0)
+        assert pool.read(1) == ((0, 1), seq) and torch.all(pool.storage[1] == 1)
+    finally:
+        counters.close()
+        counters.unlink()
+
+
 def test_the_shared_index_says_where_an_expert_is_and_when_it_was_used(pool: SharedSlots) -> None:
     writer = SharedIndex(pool.handle.prefix, 3, 4, create=True)
     reader = SharedIndex(pool.handle.prefix, 3, 4, create=False)

@@ -147,6 +147,10 @@ class Link:
             self._cond.notify()
         self._thread.join(timeout=5)
 
+    def closing(self) -> bool:
+        """Whether ``close`` was called (a copy waiting on something outside the link gives up then)."""
+        return self._closed
+
     def _next(self, block: bool = True) -> Transfer | None:
         """The most urgent queued transfer, marked started; None when the link is closed (or, not
         blocking, when nothing is queued)."""

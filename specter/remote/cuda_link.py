@@ -17,7 +17,7 @@ import torch
 
 from specter.experts.link import DEMAND, PipelinedLink, Transfer
 from specter.remote.counters import SharedCounters
-from specter.remote.shm import PINNED_RETRY_S, SharedSlots
+from specter.remote.shm import SharedSlots
 
 
 class CopyStream:
@@ -133,8 +133,11 @@ class CudaSlotWriterLink(PipelinedLink):
         return transfer
 
     def _issue(self, transfer: Transfer) -> Any:
-        while not self.slots.begin_write(transfer.slot):  # a reader pins it (not done by the verifier yet)
-            time.sleep(PINNED_RETRY_S)
+        try:
+            self.slots.claim(transfer.slot, transfer.key, self.closing)  # waits while the verifier pins it
+        except BaseException:
+            self._outstanding(transfer, False)  # it never completes
+            raise
         published, handle = None, None
         try:
             self.slots.wait_reader(transfer.slot, self.copies.stream)  # the kernels that last read the slot

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -191,6 +192,22 @@ class SharedSlots:
             self.table[slot, SEQ] = seq
             return False
         return True
+
+    def claim(self, slot: int, key: Key, closing: Callable[[], bool]) -> None:
+        """:meth:`begin_write`, waiting while a reader pins ``slot`` (looking again every
+        ``PINNED_RETRY_S``) until the writer is ``closing()``.
+
+        Raises:
+            SharedSlotsError: the writer closes while a reader still pins the slot (a reader that
+                died pinning it would otherwise hold the copy, and the writer's shutdown, for good).
+        """
+        while not self.begin_write(slot):
+            if closing():
+                raise SharedSlotsError(
+                    f"slot {slot} of {self.handle.prefix} is still pinned by a reader as its writer closes; "
+                    f"the copy of expert {tuple(key)} into it is given up"
+                )
+            time.sleep(PINNED_RETRY_S)
 
     def publish(self, slot: int, key: Key | None, stream: Any = None, due: float = 0.0) -> int:
         """Finish a write begun by :meth:`begin_write`: ``key`` now sits in ``slot``, to be read from

@@ -51,7 +51,7 @@ from specter.remote.counters import SharedCounters
 from specter.remote.cuda_link import CopyStream, CudaSlotWriterLink
 from specter.remote.residency import SharedIndex
 from specter.remote.scheduler import TransferExperts
-from specter.remote.shm import PINNED_RETRY_S, SharedSlots
+from specter.remote.shm import SharedSlots
 from specter.timing.profiles import simulated_host
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ class SlotWriterLink(SimulatedLink):
         transfer.due = due
         # due before the slot turns odd: a reader that sees the copy started also sees when it lands
         self.counters.moving(due)
-        while not self.slots.begin_write(transfer.slot):  # a reader pins it (not done by the verifier yet)
-            time.sleep(PINNED_RETRY_S)
+        self.slots.claim(transfer.slot, transfer.key, self.closing)  # waits while the verifier pins it
         published = None
         try:
             transfer.dst.copy_(transfer.src)

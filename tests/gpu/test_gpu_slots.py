@@ -94,3 +94,33 @@ def test_a_copy_into_a_slot_waits_for_the_kernels_of_its_last_reader_in_another_
         child.kill()
     slots.close()
     slots.unlink()
+
+
+def test_a_closing_cuda_slot_writer_gives_up_a_copy_into_a_slot_a_reader_pins_for_good() -> None:
+    """As on the CPU (``tests/test_shm.py``): the verifier died pinning a slot; closing the transfer
+    process's CUDA link ends the copy waiting for it at once, failed and naming the slot, and the
+    demand stops counting as outstanding."""
+    from specter.experts.link import DEMAND, LinkError
+    from specter.remote.counters import SharedCounters
+    from specter.remote.cuda_link import CudaSlotWriterLink
+
+    slots = SharedSlots.create(new_prefix("spt-cuda"), 2, NUMEL, torch.bfloat16, device="cuda")
+    counters = SharedCounters(slots.handle.prefix, create=True)
+    try:
+        seq = slots.write(1, (0, 1), torch.ones(NUMEL, dtype=torch.bfloat16, device="cuda"))
+        assert slots.try_pin(1, seq)
+        link = CudaSlotWriterLink(slots, counters)
+        blob = torch.zeros(NUMEL, dtype=torch.bfloat16).pin_memory()
+        transfer = link.submit((0, 2), 1, blob, slots.storage[1], DEMAND)
+        assert not transfer.done.wait(0.2)
+        link.close()
+        assert transfer.done.is_set()
+        with pytest.raises(LinkError, match=r"slot 1 of .* still pinned by a reader as its writer closes"):
+            transfer.wait(1.0)
+        assert slots.read(1) == ((0, 1), seq) and bool((slots.storage[1] == 1).all())
+        assert link.demand_outstanding_s > 0 and not link._demands  # counted once, and no longer
+    finally:
+        counters.close()
+        counters.unlink()
+        slots.close()
+        slots.unlink()

@@ -40,6 +40,8 @@ def test_generate_json_matches_transformers(tiny_dir, capsys):
         (["--prompt-ids", "1,x"], "--prompt-ids"),
         (["--threads", "0"], "--threads"),
         (["--link", "cuda", "--processes", "--device", "cpu"], "--link"),  # no CUDA device to put it on
+        (["--device", "tpu"], "--device"),
+        (["--device", "cuda:99"], "--device"),  # no such CUDA device (none at all on a CPU machine)
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(tiny_dir, capsys, argv, flag):

@@ -53,6 +53,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, refused here where this machine has no such device."""
+    expected = f"expected cpu, cuda or cuda:N, got {text!r}"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(expected) from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(expected)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device is available to this torch ({torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return text
+
+
 def _policy(text: str) -> str:
     try:
         policy_class(text)
@@ -128,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    gen.add_argument("--device", type=_device, default=None, help="cpu | cuda[:N] (default: cuda when available)")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: fp32 on a CPU, the checkpoint's on a GPU)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")

@@ -99,7 +99,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --device-memory: not available with --address or --processes yet; use --budget")
     if args.address is None and not args.processes:
         torch.set_num_threads(compute_threads(args.threads))
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    cuda = torch.cuda.is_available() and (args.device is None or torch.device(args.device).type == "cuda")
     timing = _timing(args, parser, cuda)
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),

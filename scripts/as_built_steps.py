@@ -21,8 +21,9 @@ dispatch costs the H200's (assumed: no H100 has run this code). ``--draft-mode i
 experts in int4, a step's pairs gathered (the GPU bench's ``-int4`` rows; default ``dequant-cache``, the
 GPU's default draft, bf16 copies of its experts); the clock charges the draft's experts as that mode
 computes them (``DraftModel.last_compute``). After each step kind's settings, ``draft-step``: one draft decode
-step alone (``vs_resident``: over the resident target step). Prints one JSON line per setting; writes
-``as_built_steps.json``.
+step alone (``vs_resident``: over the resident target step). Prints one JSON line per setting, then per
+step kind each setting's TPOT over ``demand-lru``'s prompt by prompt (a kept chooser's first prompt is a
+fresh one's); writes ``as_built_steps.json``.
 """
 
 from __future__ import annotations
@@ -157,3 +158,11 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
     out.append(row)
 Path(args.out).mkdir(parents=True, exist_ok=True)
 (Path(args.out) / "as_built_steps.json").write_text(json.dumps(out, indent=1))
+# prompt by prompt over demand-lru: a median over three prompts hides a chooser's first request
+for step, dname, prepared in sorted({(r["step"], r["dispatch"], r["prepared"]) for r in out}):
+    group = {r["setting"]: r["tpot_ms_prompts"] for r in out
+             if (r["step"], r["dispatch"], r["prepared"]) == (step, dname, prepared) and "tpot_ms_prompts" in r}
+    base = group["demand-lru"]
+    ratios = "; ".join(f"{name} " + " ".join(f"{t / b:.3f}" for t, b in zip(tpots, base, strict=True))
+                       for name, tpots in group.items() if name not in ("resident", "demand-lru"))
+    print(f"# {step}{', prepared' if prepared else ''} ({dname}), TPOT per prompt over demand-lru: {ratios}")

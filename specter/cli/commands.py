@@ -198,6 +198,9 @@ def _through_processes(args, parser, timing, budget, window, sampling):  # type:
 
     config = read_config_dict(resolve_model_dir(args.model))
     dtype = DTYPES[args.dtype] if args.dtype else None
+    roles = "transfer, verifier and draft processes" if args.draft is not None else "transfer and verifier processes"
+    print(f"specter: starting the {roles} (no Ray; the first start imports torch and transformers once)",
+          file=sys.stderr, flush=True)
     with launch_processes(args.model, args.draft, budget or SlotConfig(fraction=0.5), timing.link, args.policy,
                           host_profile=timing.profile, dtype=dtype) as engine:
         tokenizer = load_tokenizer(resolve_model_dir(args.model))

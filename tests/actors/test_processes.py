@@ -151,6 +151,8 @@ def test_specter_generate_processes_on_the_command_line(models) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == _in_process(folder, draft, "specter", 3)
+    # the seconds before the roles' own lines are not silent
+    assert proc.stderr.startswith("specter: starting the transfer, verifier and draft processes (no Ray")
 
 
 _NO_CUDA_AT_IMPORT = """

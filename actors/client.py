@@ -62,24 +62,29 @@ class Client:
     def generate(
         self, prompts: list[str] | list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int = 0, policy: str | None = None, window: int | None = None,
-        eos_token_id: int | None = None, pipelined: bool | None = None,
+        eos_token_id: int | None = None, pipelined: bool | None = None, chooser: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """One ``{"text", "tokens", "stats"}`` per prompt (text is empty without a tokenizer).
 
         ``pipelined``: the draft drafts each next round while this one is verified (None: the
-        verifier's default, on)."""
+        verifier's default, on). ``chooser``: a K chooser's state for the replica's first request to
+        start from (``WindowChooser.state``'s; ``{}``: none); given, each result also carries the
+        chooser's state after its request as ``chooser`` (``VerifierRole.generate``)."""
         if isinstance(prompts, str | bytes) or not isinstance(prompts, list | tuple):
             raise TypeError(f"prompts: expected a list of strings or of token-id lists, got {type(prompts).__name__}")
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]  # all checked before any work
         results = []
-        extra = {} if pipelined is None else {"pipelined": pipelined}
+        extra: dict[str, Any] = {} if pipelined is None else {"pipelined": pipelined}
+        if chooser is not None:
+            extra["chooser"] = chooser
         for ids in encoded:
             out = self.handle.generate(
                 ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                 window=window, policy=policy, eos_token_id=eos_token_id, **extra,
             )
             text = self.tokenizer.decode(out["tokens"]) if self.tokenizer is not None else ""
-            results.append({"text": text, "tokens": out["tokens"], "stats": out["stats"]})
+            results.append({"text": text, "tokens": out["tokens"], "stats": out["stats"]}
+                           | ({"chooser": out["chooser"]} if "chooser" in out else {}))
         return results
 
     def close(self) -> None:

@@ -15,6 +15,9 @@ from tiny_models import save_tiny  # noqa: E402
 
 hf_logging.disable_progress_bar()
 torch.set_num_threads(1)  # two cores: leave one to the link thread and the other test work
+# `specter generate` keeps its K chooser between runs (specter/plan/window_store.py): never in the home of
+# whoever runs the tests, and no test's run starts from another's; the tests of it name their own folder
+os.environ["SPECTER_CHOOSER_CACHE"] = "none"
 
 
 @pytest.fixture(scope="session")

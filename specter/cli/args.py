@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "code over the same sockets and shared memory; with --link cuda, the default on a "
                           "GPU, on the device: slots shared by CUDA IPC, the copy stream in the transfer process)")
     _add_pipeline(gen)
+    gen.add_argument("--chooser-cache", default=None, metavar="DIR",
+                     help="where a drafting run keeps its K chooser for the next run of the same setup, and "
+                          "starts from the last one's (speed only: output is the same for every K); 'none': "
+                          "always start fresh (default: $SPECTER_CHOOSER_CACHE, else ~/.cache/specter/choosers; "
+                          "specter/plan/window_store.py)")
     gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
     _add_batch(commands)

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,14 +109,20 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     run = _through_processes if args.processes else _through_actors if args.address is not None else _in_process
-    tokens, text, stats = run(args, parser, timing, budget, window, sampling)
+    kept = _KeptChooser(args, window, sampling) if window else None
+    tokens, text, stats, state = run(args, parser, timing, budget, window, sampling, kept.state if kept else None)
+    if kept is not None:
+        kept.save(state)
     if args.json:
-        print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))
+        kept_from = {} if kept is None else {"chooser_kept_from": int(kept.state.get("requests", 0))}
+        print(json.dumps({"tokens": tokens, "text": text, "stats": stats} | kept_from))
         return 0
     print((args.prompt or "") + text if text or args.prompt else " ".join(map(str, tokens)))
     spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
     if stats.get("pipelined"):
         spec += f", pipelined: {stats['ahead_kept']}/{stats['ahead_asked']} rounds drafted ahead stood"
+    if kept is not None and kept.state:
+        spec += f", K chooser kept from {kept.state['requests']} earlier run(s)"
     where = f" via actors at {args.address}" if args.address else " via processes" if args.processes else ""
     print(
         f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms "
@@ -125,6 +132,53 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+class _KeptChooser:
+    """The K chooser ``generate`` keeps between runs of one setup (``specter/plan/window_store.py``):
+    ``state`` to start from (``{}``: none kept, or ``--chooser-cache none``), ``save`` after the run."""
+
+    IGNORED = ("command", "verbose", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k",
+               "seed", "json", "connect_timeout", "chooser_cache")  # what moves no round's cost
+
+    def __init__(self, args: argparse.Namespace, window: int, sampling: SamplingConfig):
+        from specter import __version__
+        from specter.plan import window_store
+
+        self.path = None
+        self.state: dict[str, Any] = {}
+        directory = args.chooser_cache or window_store.default_dir()
+        if directory == window_store.OFF:
+            return
+        setup = {k: v for k, v in sorted(vars(args).items()) if k not in self.IGNORED}
+        model, draft = resolve_model_dir(args.model), resolve_model_dir(args.draft)
+        cuda = torch.cuda.is_available() and (args.device is None or torch.device(args.device).type == "cuda")
+        setup.update(
+            model=str(model.resolve()), model_config=read_config_dict(model), draft=str(draft.resolve()),
+            draft_config=read_config_dict(draft), window=window, sampled=not sampling.greedy,
+            device_name=torch.cuda.get_device_name(args.device) if cuda else "cpu",
+            threads=compute_threads(args.threads), version=__version__, torch=torch.__version__,
+        )
+        self.setup = json.loads(json.dumps(setup, default=str))
+        self.path = window_store.path_for(directory, self.setup)
+        try:
+            chooser = window_store.load(self.path, self.setup)
+        except ValueError as exc:
+            print(f"specter: starting a fresh K chooser: {exc}", file=sys.stderr)
+            return
+        if chooser is not None:
+            self.state = chooser.state()
+
+    def save(self, state: dict[str, Any] | None) -> None:
+        from specter.plan import window_store
+        from specter.plan.window import WindowChooser
+
+        if self.path is None or not state:
+            return
+        try:
+            window_store.save(self.path, self.setup, WindowChooser.from_state(state))
+        except OSError as exc:
+            print(f"specter: could not keep the K chooser in {self.path}: {exc.strerror}", file=sys.stderr)
 
 
 def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -147,7 +201,7 @@ def _eos(model: str) -> int | None:
     return eos[0] if isinstance(eos, list) else eos
 
 
-def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
+def _in_process(args, parser, timing, budget, window, sampling, kept):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
     from specter.engine import Engine
     from specter.eval.bench import FIXED_DRAFT_MODE
@@ -166,14 +220,18 @@ def _in_process(args, parser, timing, budget, window, sampling):  # type: ignore
         tokenizer = target.tokenizer
         prompt_ids = _prompt_ids(args, parser, tokenizer, target.model.config.vocab_size)
         engine = Engine(target, draft, window, pipelined=args.pipeline)  # None: the policy's default
+        chooser = engine.policy.window_chooser() if engine.proposer is not None else None
+        if chooser is not None and kept:
+            chooser = engine.policy.window_chooser_from(kept)
+            engine.policy.use_window_chooser(chooser)
         tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model))
     finally:
         target.close()
     text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
-    return tokens, text, stats.to_dict()
+    return tokens, text, stats.to_dict(), chooser.state() if chooser is not None else None
 
 
-def _through_actors(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
+def _through_actors(args, parser, timing, budget, window, sampling, kept):  # type: ignore[no-untyped-def]
     """The three Ray actors (a local Ray, or a running cluster; with neither --link nor a profile, the
     cluster's link: ``cuda`` where it has a GPU)."""
     from actors.client import Client
@@ -187,11 +245,12 @@ def _through_actors(args, parser, timing, budget, window, sampling):  # type: ig
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
-                              window=window, eos_token_id=_eos(args.model), pipelined=args.pipeline)[0]
-    return out["tokens"], out["text"], out["stats"]
+                              window=window, eos_token_id=_eos(args.model), pipelined=args.pipeline,
+                              chooser=kept)[0]
+    return out["tokens"], out["text"], out["stats"], out.get("chooser")
 
 
-def _through_processes(args, parser, timing, budget, window, sampling):  # type: ignore[no-untyped-def]
+def _through_processes(args, parser, timing, budget, window, sampling, kept):  # type: ignore[no-untyped-def]
     """The three roles as plain processes (``specter/remote/processes.py``), no Ray."""
     from specter.remote.processes import launch_processes
     from specter.target import load_tokenizer
@@ -206,11 +265,13 @@ def _through_processes(args, parser, timing, budget, window, sampling):  # type:
         tokenizer = load_tokenizer(resolve_model_dir(args.model))
         prompt_ids = _prompt_ids(args, parser, tokenizer, int(config["vocab_size"]))
         options = {} if args.pipeline is None else {"pipelined": args.pipeline}
+        if kept is not None:
+            options["chooser"] = kept
         out = engine.generate(prompt_ids, args.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=sampling.seed, policy=args.policy, window=window,
                               eos_token_id=_eos(args.model), **options)
     text = str(tokenizer.decode(out["tokens"])) if tokenizer is not None else ""
-    return out["tokens"], text, out["stats"]
+    return out["tokens"], text, out["stats"], out.get("chooser")
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

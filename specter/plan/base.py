@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -78,6 +78,18 @@ class Policy:
     def new_window_chooser(self) -> WindowChooser:
         """A blank chooser for this policy (with ``+cachearm`` and host compute, two plain arms)."""
         return WindowChooser(route_last=self.route_last_draft, cache_arm=self.cache_arm and self.host_compute)
+
+    def window_chooser_from(self, state: dict[str, Any]) -> WindowChooser:
+        """A chooser for this policy that goes on from ``state`` (``WindowChooser.state``'s).
+
+        Raises:
+            ValueError: ``state`` is no chooser's, or one of a policy that drafts differently (its
+                last draft token routed or not, plain steps with or without the caching arm)."""
+        chooser, blank = WindowChooser.from_state(state), self.new_window_chooser()
+        if (chooser.route_last, chooser.cache_arm) != (blank.route_last, blank.cache_arm):
+            raise ValueError(f"K chooser state: kept for a policy with route_last={chooser.route_last}, "
+                             f"cache_arm={chooser.cache_arm}; this one has {blank.route_last}, {blank.cache_arm}")
+        return chooser
 
     def fetches_when_idle(self) -> bool:
         """Whether an expert the host just computed moves into a slot when the link is idle as its

@@ -70,7 +70,7 @@ measured a settled round.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -87,6 +87,12 @@ SETTLE = {False: 8, True: 1}  # rounds of a kind in a row before one measures (p
 SPREAD = 1.0  # the rounds' forwards must vary this much (variance) before c is told from d
 PLAIN_CACHED = -1  # the plain step that caches its host-computed experts (``cache_arm``)
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
+STATE_VERSION = 1  # of ``WindowChooser.state``'s layout: a state of another version is not read
+_KEYED = {"verify_s": float, "shape": float, "measured": float, "samples": int}  # keyed by K (strings in JSON)
+_SCALARS = {"route_last": bool, "cache_arm": bool, "draft_s": float, "round_s": float, "level": float,
+            "accepted": float, "tried": float, "forward_samples": int, "kind": int, "stint": int,
+            "stint_measured": bool, "last": int, "arm": int, "cold": int, "requests": int}
+_OPTIONAL = {"draft_s", "level", "kind", "last", "arm", "moments"}  # may be None
 
 
 @dataclass
@@ -236,6 +242,40 @@ class WindowChooser:
         self.kind, self.stint, self.stint_measured = None, 0, True
         self.requests += 1
 
+    def state(self) -> dict[str, Any]:
+        """What it has learnt, as plain JSON-able values (``from_state`` reads it back): a chooser
+        kept between runs (``specter/plan/window_store.py``), or handed to another process."""
+        out: dict[str, Any] = {"version": STATE_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _KEYED:
+                value = {str(k): v for k, v in value.items()}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> WindowChooser:
+        """A chooser that goes on from ``state`` (``state()``'s), at the start of a request.
+
+        Raises:
+            ValueError: ``state`` is not one this version wrote (names the field at fault)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"K chooser state: expected a mapping of its fields, got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"K chooser state: expected version {STATE_VERSION}, got {state.get('version')!r}")
+        chooser = cls()
+        for name, value in state.items():
+            if name == "version":
+                continue
+            try:
+                setattr(chooser, name, _read_field(name, value))
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"K chooser state: field {name!r} holds {value!r} ({exc})") from None
+        chooser.kind, chooser.stint, chooser.stint_measured = None, 0, True  # as ``begin_request`` leaves it
+        return chooser
+
     def _fit_draft(self, x: int, y: float) -> None:
         """Update ``c`` and ``d`` with a round of ``x`` forwards that drafted for ``y`` seconds."""
         sample = (x, y, x * x, x * y)
@@ -273,6 +313,31 @@ class WindowChooser:
             return self.verify_s[k]
         # from the drafting Ks measured: a plain step is no neighbour of a drafting one
         return _between({c: v for c, v in self.verify_s.items() if c > 0}, k)
+
+
+def _read_field(name: str, value: Any) -> Any:
+    """A field of ``WindowChooser.state`` back in its own type (TypeError / ValueError if it is not one)."""
+    if value is None and name in _OPTIONAL:
+        return None
+    if name in _KEYED:
+        kind = _KEYED[name]
+        return {int(k): kind(_number(v, kind)) for k, v in value.items()}
+    if name == "moments":
+        if len(value) != 4:
+            raise ValueError("expected four averages")
+        return tuple(float(_number(v, float)) for v in value)
+    if name not in _SCALARS:
+        raise ValueError("no such field")
+    return _SCALARS[name](_number(value, _SCALARS[name]))
+
+
+def _number(value: Any, kind: type) -> Any:
+    """``value`` when it is a ``kind`` as JSON writes one (an int for a float; no bool for a number)."""
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, int | float) and not isinstance(value, bool) and (kind is float or float(value).is_integer()))
+    if not ok:
+        raise TypeError(f"expected {kind.__name__}")
+    return value
 
 
 def _between(table: dict[int, float], k: int) -> float | None:

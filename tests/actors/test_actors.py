@@ -187,8 +187,13 @@ def test_client_generates_token_ids_prompts(local_ray, models) -> None:
     folder, draft = models
     with Client(folder, draft, BUDGET, LINK, policy="specter+fixed", address=None) as client:
         out = client.generate([PROMPT, PROMPT[:3]], max_new_tokens=NEW, window=4)
+        kept = client.generate([PROMPT, PROMPT], max_new_tokens=NEW, policy="specter", window=4, chooser={})
         names = list(client.handle.names)
     assert out[0]["tokens"] == _reference(folder) and len(out[1]["tokens"]) == NEW
+    assert "chooser" not in out[0]  # not asked for
+    # the K chooser's state after each request, as `specter generate` keeps it between runs
+    assert kept[0]["tokens"] == kept[1]["tokens"] == out[0]["tokens"]
+    assert [r["chooser"]["requests"] for r in kept] == [1, 2]
     assert out[0]["text"] == "" and out[0]["stats"]["rounds"] > 0
     for name in names:
         with pytest.raises(ValueError):

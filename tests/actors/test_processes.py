@@ -210,3 +210,26 @@ def test_prepared_steps_through_processes_run_no_step_cold_and_stay_lossless() -
             target.close()
     assert first["tokens"] == plain["tokens"] == want["demand-lru"]
     assert spec["tokens"] == want["specter+fixed"]
+
+
+def test_a_kept_chooser_goes_to_the_verifier_process_and_comes_back(engine, models) -> None:
+    """``specter generate --processes`` keeps its K chooser between runs: the verifier process starts
+    from the state it is handed (when its own chooser for that policy has served no request), hands back
+    the state after the request, keeps its own after that, and refuses a damaged one by name."""
+    from specter.plan import make_policy
+
+    given = make_policy("specter+last").new_window_chooser()
+    given.begin_request()
+    for k, verify in ((0, 5e-3), (0, 4e-3), (4, 6e-3), (4, 5e-3)):
+        given.choose(8)
+        given.record(k, 1e-3 * k, verify, min(k, 3))
+    state = given.state() | {"requests": 5}
+    with pytest.raises(ValueError, match="K chooser state"):
+        engine.generate(PROMPT, NEW, policy="specter+last", window=8, chooser=state | {"tried": "lots"})
+    want = engine.generate(PROMPT, NEW, policy="demand-lru")["tokens"]
+    out = engine.generate(PROMPT, NEW, policy="specter+last", window=8, chooser=state)
+    assert out["tokens"] == want and out["chooser"]["requests"] == 6 and out["chooser"]["route_last"]
+    assert out["chooser"]["samples"]["4"] >= 1  # what it was handed, gone on from
+    again = engine.generate(PROMPT, NEW, policy="specter+last", window=8, chooser={})
+    assert again["tokens"] == want and again["chooser"]["requests"] == 7  # its own, not the one handed
+    assert "chooser" not in engine.generate(PROMPT, NEW, policy="specter+last", window=8)

@@ -157,14 +157,18 @@ class VerifierRole:
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
         eos_token_id: int | None = None, untimed_prefill: bool = False, pipelined: bool = PIPELINED,
         schedule: str | None = None, on_tokens: Any = None, cancelled: Any = None,
+        chooser: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
 
         ``pipelined``: the draft drafts each next round while this one is verified (``specter/engine.py``).
         ``schedule``: where the policy's schedule runs from this request on (``transfer`` or
         ``verifier``; None: as before). ``on_tokens``/``cancelled``: ``Engine.generate``'s (in this
-        process; ``stream`` uses them). Its figures go to the replica's metrics; a request that
-        raises counts as an error.
+        process; ``stream`` uses them). ``chooser``: a K chooser's state to start from
+        (``WindowChooser.state``'s; ``{}``: none) where this verifier's chooser for the request's policy
+        has served no request yet; given, the result carries the chooser's state after the request as
+        ``chooser`` (``specter generate`` keeps it between runs: ``specter/plan/window_store.py``).
+        Its figures go to the replica's metrics; a request that raises counts as an error.
         """
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -176,7 +180,7 @@ class VerifierRole:
                     self.schedule = schedule
                     self._build(self.policy_name)
                 out = self._generate(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, window, policy,
-                                     eos_token_id, untimed_prefill, pipelined, on_tokens, cancelled)
+                                     eos_token_id, untimed_prefill, pipelined, on_tokens, cancelled, chooser)
         except Exception:
             self.metrics.inc("specter_request_errors")
             raise
@@ -327,16 +331,18 @@ class VerifierRole:
     def _generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
         window: int | None, policy: str | None, eos_token_id: int | None, untimed_prefill: bool, pipelined: bool,
-        on_tokens: Any = None, cancelled: Any = None,
+        on_tokens: Any = None, cancelled: Any = None, chooser: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if policy is not None and policy != self.policy_name:
             self._build(policy)
         assert self.target is not None, "connect() first"
         policy_obj = self.target.offload.policy
         k = policy_obj.default_window if window is None else window
+        key = (self.policy_name, pipelined)
         if policy_obj.window_chooser() is not None:
-            key = (self.policy_name, pipelined)
-            if key not in self._choosers:
+            if chooser and (key not in self._choosers or not self._choosers[key].requests):
+                self._choosers[key] = policy_obj.window_chooser_from(chooser)  # checked before any work
+            elif key not in self._choosers:
                 self._choosers[key] = policy_obj.new_window_chooser()
             policy_obj.use_window_chooser(self._choosers[key])
         if k and self.proposer is None:
@@ -347,7 +353,10 @@ class VerifierRole:
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         tokens, stats = engine.generate_fresh(list(prompt_ids), max_new_tokens, sampling, eos_token_id, on_tokens,
                                               cancelled)
-        return {"tokens": tokens, "stats": stats.to_dict()}
+        out: dict[str, Any] = {"tokens": tokens, "stats": stats.to_dict()}
+        if chooser is not None and key in self._choosers:
+            out["chooser"] = self._choosers[key].state()
+        return out
 
     def close(self) -> None:
         """Tell the peers to stop, close the sockets and unmap the shared memory."""

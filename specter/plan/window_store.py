@@ -1,0 +1,88 @@
+"""The K chooser kept between runs: what ``specter generate`` learnt about K, in a file per setup.
+
+A fresh chooser spends a request's first rounds finding its costs: two plain steps, K = 4 probes,
+and a ``v(0)`` anchored by a step whose slots are still the prefill's. A server, a batch job or the
+bench keeps one chooser for all its requests, so only their first request pays that; but every
+``specter generate`` is a first request. On the as-built clock (``docs/benchmark.md``, "A fresh
+chooser's first request") a kept chooser ran 0.22–0.32× ``demand-lru``'s TPOT where a fresh one ran
+0.48–0.70× (a draft that leads), and 1.00× where a fresh one ran 1.07–1.59× (one that loses).
+
+So ``generate`` starts from the chooser its last run with the same setup left, and saves it after.
+The setup is everything that moves what a round costs or how often the draft is right: the model
+and draft (their folders and ``config.json``), policy, window cap, budget, link, device, dtype,
+clock and profile, threads, in process or through which processes, pipelining, greedy or sampled,
+and this package's version (``key``). Output does not depend on it (every K is lossless); speed does.
+A file that cannot be read is named in one warning and the run starts fresh; one that cannot be
+written is named and the run's output stands.
+
+Where: ``--chooser-cache DIR`` (``none``: never read nor written), else ``$SPECTER_CHOOSER_CACHE``,
+else ``$XDG_CACHE_HOME/specter/choosers``, else ``~/.cache/specter/choosers``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from specter.plan.window import WindowChooser
+
+ENV = "SPECTER_CHOOSER_CACHE"
+OFF = "none"
+
+
+def default_dir() -> str:
+    """Where choosers are kept unless ``--chooser-cache`` says (``OFF``: nowhere)."""
+    if os.environ.get(ENV):
+        return os.environ[ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specter", "choosers")
+
+
+def path_for(directory: str | Path, setup: dict[str, Any]) -> Path:
+    """The file of the chooser kept for ``setup`` (JSON-able values) in ``directory``."""
+    digest = hashlib.sha256(json.dumps(setup, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return Path(directory) / f"{digest}.json"
+
+
+def load(path: Path, setup: dict[str, Any]) -> WindowChooser | None:
+    """The chooser kept in ``path`` for ``setup``; None when there is none yet.
+
+    Raises:
+        ValueError: the file is there but is not a chooser kept for this setup (says why)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or json.loads(json.dumps(setup, default=str)) != data.get("setup"):
+        raise ValueError(f"{path} holds no chooser for this setup")
+    try:
+        return WindowChooser.from_state(data.get("chooser"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def save(path: Path, setup: dict[str, Any], chooser: WindowChooser) -> None:
+    """Keep ``chooser`` for ``setup`` in ``path``, whole or not at all (a temporary file renamed over it).
+
+    Raises:
+        OSError: the folder or the file cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"setup": setup, "chooser": chooser.state()}, indent=1, default=str)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -2,6 +2,8 @@
 
     python scripts/as_built_steps.py [--workload qwen-led|mixtral-agree] [--dtype bfloat16] [--real-layers N]
                                      [--gpu h200|h100] [--draft-mode int4-kernel] [--out DIR]
+                                     [--prompts N] [--new-tokens T] [--steps eager,static,prepared]
+                                     [--settings resident,specter-paper,specter,specter-kept]
 
 ``scripts/validate_dispatch.py``'s token-led Qwen1.5-MoE workload (4 layers, shrunk for the CPU, the
 ``qwen2moe-h200`` profile cut to 4 layers; ``--workload`` takes another of its workloads, e.g.
@@ -23,13 +25,17 @@ GPU's default draft, bf16 copies of its experts); the clock charges the draft's 
 computes them (``DraftModel.last_compute``). After each step kind's settings, ``draft-step``: one draft decode
 step alone (``vs_resident``: over the resident target step). Prints one JSON line per setting, then per
 step kind each setting's TPOT over ``demand-lru``'s prompt by prompt (a kept chooser's first prompt is a
-fresh one's); writes ``as_built_steps.json``.
+fresh one's) and their geomean (``specter-kept``'s also after its first prompt: what ``specter generate``
+gets from its second run of a setup on, ``specter/plan/window_store.py``); writes ``as_built_steps.json``.
+``--prompts``/``--new-tokens`` (default 3 x 48), ``--steps`` and ``--settings`` run a part of it
+(``demand-lru`` always runs: it is the ratios' base).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -73,7 +79,25 @@ parser.add_argument("--shrink", type=int, default=None,
                     help="divide the real shapes by N for the CPU's model (default: the workload's; the clock charges "
                          "the real shapes either way): e.g. 4 for Qwen's shapes in int4, whose experts the kernel "
                          "takes only from there (its 1408 / 8 = 176 is no multiple of 32)")
+parser.add_argument("--prompts", type=int, default=3, help="prompts per setting (default 3)")
+parser.add_argument("--new-tokens", type=int, default=48, help="tokens per prompt (default 48)")
+parser.add_argument("--steps", default="eager,static,prepared",
+                    help="which step kinds, comma-separated (default all three: eager, static, prepared)")
+parser.add_argument("--settings", default=None,
+                    help="which settings, comma-separated (default all: resident, demand-lru, specter-paper, specter, "
+                         "specter-kept; demand-lru is always run, the ratios' base)")
 args = parser.parse_args()
+if args.prompts < 1 or args.new_tokens < 1:
+    parser.error(f"--prompts/--new-tokens: expected 1 or more, got {args.prompts} / {args.new_tokens}")
+KINDS = {"eager": ("eager", "h200-eager", False), "static": ("static", "h200-graphs", False),
+         "prepared": ("static", "h200-graphs", True)}
+if not set(args.steps.split(",")) <= set(KINDS):
+    parser.error(f"--steps: expected some of {', '.join(KINDS)}, got {args.steps!r}")
+ALL = [*vd.SETTINGS, "specter-kept"]
+chosen = ALL if args.settings is None else args.settings.split(",")
+if not set(chosen) <= set(ALL):
+    parser.error(f"--settings: expected some of {', '.join(ALL)}, got {args.settings!r}")
+chosen = [name for name in ALL if name in chosen or name == "demand-lru"]
 if args.real_layers < 1:
     parser.error(f"--real-layers: expected 1 or more layers, got {args.real_layers}")
 dtype = getattr(torch, args.dtype)
@@ -89,8 +113,12 @@ if not model.exists():
     quantize_model(str(model), str(work / "draft"), method="rtn", progress=False)
 profile = vd._profile(profile_name.replace("-h200", f"-{args.gpu}"), synthetic.SHAPES[shape], args.real_layers)
 gen = torch.Generator().manual_seed(5)
-prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(3)]
+prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(args.prompts)]
 dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in the profile's time
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def draft_step_ms(draft, costs, dname: str, steps: int = 16) -> float:
@@ -113,10 +141,10 @@ def draft_step_ms(draft, costs, dname: str, steps: int = 16) -> float:
 
 
 out = []
-for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-graphs", False),
-                              ("static", "h200-graphs", True)):
+for step, dname, prepared in (KINDS[kind] for kind in args.steps.split(",")):
     draft = load_draft(work / "draft", device="cpu", mode=args.draft_mode, step=step, dtype=dtype)
-    for setting, (policy, budget, window) in [*vd.SETTINGS.items(), ("specter-kept", vd.SETTINGS["specter"])]:
+    for setting in chosen:
+        policy, budget, window = vd.SETTINGS[setting.removesuffix("-kept")]
         tpots, acc = [], []
         kept = None  # specter-kept: one K chooser through the prompts, as a running engine keeps it
         for prompt in prompts:
@@ -135,7 +163,7 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                 if prepared:  # outside the clock's counting: what a request pays is what it runs
                     engine.prepare_steps()
                 with clock.counting():
-                    tokens, stats = engine.generate_fresh(prompt, 48)
+                    tokens, stats = engine.generate_fresh(prompt, args.new_tokens)
             finally:
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
@@ -148,7 +176,9 @@ for step, dname, prepared in (("eager", "h200-eager", False), ("static", "h200-g
                "accepted_per_window": acc}
         print(json.dumps(row), flush=True)
         out.append(row)
-    resident = next(r["tpot_ms"] for r in out[-len(vd.SETTINGS) - 1:] if r["setting"] == "resident")
+    if "resident" not in chosen:  # the draft step is reported over the resident step
+        continue
+    resident = next(r["tpot_ms"] for r in out[-len(chosen):] if r["setting"] == "resident")
     ms = draft_step_ms(draft, replace(cost_model(profile, *dims), launches=False), dname)
     row = {"workload": args.workload, "shrink": shrink, "gpu": args.gpu, "dtype": args.dtype,
            "real_layers": args.real_layers, "profile": profile.name, "draft_mode": args.draft_mode, "step": step,
@@ -166,3 +196,12 @@ for step, dname, prepared in sorted({(r["step"], r["dispatch"], r["prepared"]) f
     ratios = "; ".join(f"{name} " + " ".join(f"{t / b:.3f}" for t, b in zip(tpots, base, strict=True))
                        for name, tpots in group.items() if name not in ("resident", "demand-lru"))
     print(f"# {step}{', prepared' if prepared else ''} ({dname}), TPOT per prompt over demand-lru: {ratios}")
+    means = []
+    for name, tpots in group.items():
+        if name in ("resident", "demand-lru"):
+            continue
+        each = [t / b for t, b in zip(tpots, base, strict=True)]
+        later = f", after its first {_geomean(each[1:]):.3f} (worst {max(each[1:]):.3f})" \
+            if name.endswith("-kept") and len(each) > 1 else ""
+        means.append(f"{name} {_geomean(each):.3f} (worst {max(each):.3f}){later}")
+    print(f"#   geomean over demand-lru: {'; '.join(means)}")

@@ -3,15 +3,20 @@
 A fresh chooser spends a request's first rounds finding its costs: two plain steps, K = 4 probes,
 and a ``v(0)`` anchored by a step whose slots are still the prefill's. A server, a batch job or the
 bench keeps one chooser for all its requests, so only their first request pays that; but every
-``specter generate`` is a first request. On the as-built clock (``docs/benchmark.md``, "A fresh
-chooser's first request") a kept chooser ran 0.22–0.32× ``demand-lru``'s TPOT where a fresh one ran
-0.48–0.70× (a draft that leads), and 1.00× where a fresh one ran 1.07–1.59× (one that loses).
+``specter generate`` is a first request. On the as-built clock, 8 prompts of 48 tokens
+(``docs/benchmark.md``, "Kept between runs"), a kept chooser's later prompts ran at 0.24–0.27×
+``demand-lru``'s TPOT where a fresh one's ran at 0.51–0.55× (a draft that leads), and 1.00–1.07× where
+a fresh one's ran at 1.12–1.32× (drafting loses); on a workload whose draft accepts in bursts it ran
+~10 % slower than fresh ones (it keeps to plain steps), geomean 0.79× fresh over the eight.
 
 So ``generate`` starts from the chooser its last run with the same setup left, and saves it after.
 The setup is everything that moves what a round costs or how often the draft is right: the model
 and draft (their folders and ``config.json``), policy, window cap, budget, link, device, dtype,
 clock and profile, threads, in process or through which processes, pipelining, greedy or sampled,
-and this package's version (``key``). Output does not depend on it (every K is lossless); speed does.
+and this package's version (``specter/cli/commands.py``: ``_KeptChooser``). Greedy output does not
+depend on it (every K is lossless); speed does. A sampled run's text is an exact sample whatever the K,
+but which sample depends on the Ks played, as it already did on the wall clock through its timings:
+``--chooser-cache none`` on a virtual clock repeats a seed's text run after run.
 A file that cannot be read is named in one warning and the run starts fresh; one that cannot be
 written is named and the run's output stands.
 

@@ -139,6 +139,12 @@ def test_a_damaged_or_unwritable_cache_costs_a_warning_not_the_run(capsys, tmp_p
     assert f"starting a fresh K chooser: {kept} is not JSON" in err
     assert again["tokens"] == first["tokens"] and again["stats"]["tpot_s"] == first["stats"]["tpot_s"]
     assert json.loads(kept.read_text())["chooser"]["requests"] == 1  # written afresh
+    data = json.loads(kept.read_text())
+    data["chooser"]["route_last"] = True  # valid, but not what `specter` keeps: hand-edited
+    kept.write_text(json.dumps(data))
+    again, err = _generate(capsys, argv)
+    assert "starting a fresh K chooser: K chooser state: kept for a policy with route_last=True" in err
+    assert again["chooser_kept_from"] == 0 and again["tokens"] == first["tokens"]
     blocked = tmp_path / "a-file"  # a folder that cannot be made, even by root
     blocked.write_text("")
     again, err = _generate(capsys, ["--policy", "specter", "--chooser-cache", str(blocked / "choosers")])

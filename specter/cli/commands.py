@@ -23,7 +23,7 @@ from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threa
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
-from specter.plan import drafts, policy_class
+from specter.plan import drafts, make_policy, policy_class
 from specter.timing.costs import Timing, resolve_timing
 
 
@@ -163,6 +163,8 @@ class _KeptChooser:
         self.path = window_store.path_for(directory, self.setup)
         try:
             chooser = window_store.load(self.path, self.setup)
+            if chooser is not None:  # one of this policy's kind, or a warning now rather than an error later
+                chooser = make_policy(args.policy).window_chooser_from(chooser.state())
         except ValueError as exc:
             print(f"specter: starting a fresh K chooser: {exc}", file=sys.stderr)
             return

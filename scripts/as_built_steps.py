@@ -103,7 +103,8 @@ if args.real_layers < 1:
 dtype = getattr(torch, args.dtype)
 torch.set_num_threads(1)
 synthetic = vd._synthetic()
-work = Path(args.work or tempfile.mkdtemp(prefix="specter-as-built-"))
+scratch = None if args.work else tempfile.TemporaryDirectory(prefix="specter-as-built-")  # removed at exit
+work = Path(args.work or scratch.name)  # type: ignore[union-attr]
 work.mkdir(parents=True, exist_ok=True)
 shape, gain, profile_name, shrink = vd.WORKLOADS[args.workload]
 shrink = args.shrink or shrink

@@ -46,6 +46,9 @@ class BatchOptions:
     timeout_s: float = 60.0
     host_profile: str | None = None  # the profile whose host computes late experts (``launch``'s)
     pipelined: bool = True  # the draft drafts each next round while this one is verified
+    # a K chooser's state each replica's first request starts from ({}: none; None: not asked for):
+    # given, the report keeps the latest one of the replica that served most (``specter/plan/window_store.py``)
+    chooser: dict[str, Any] | None = None
 
 
 @dataclass
@@ -59,6 +62,7 @@ class BatchReport:
     restarts: int = 0
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
+    chooser: dict[str, Any] | None = None  # the K chooser's state of most requests (``BatchOptions.chooser``)
 
 
 @dataclass
@@ -215,6 +219,7 @@ def _submit(
         policy=options.policy,
         eos_token_id=options.eos_token_id,
         pipelined=options.pipelined,
+        **({} if options.chooser is None else {"chooser": options.chooser}),
     )
     replica.busy = (ref, item, attempt, time.monotonic())
 
@@ -244,6 +249,9 @@ def _collect(
         _fault(replica, item, attempt, exc, options, out, report, todo, driver, progress, launcher)
         return
     replica.busy = None
+    state = out_.get("chooser")
+    if state is not None and (report.chooser is None or state["requests"] >= report.chooser["requests"]):
+        report.chooser = state
     result = {"id": item.id, "text": decode(out_["tokens"]), "tokens": out_["tokens"], "stats": out_["stats"]}
     results.append(result)
     report.finished += 1

@@ -159,11 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "code over the same sockets and shared memory; with --link cuda, the default on a "
                           "GPU, on the device: slots shared by CUDA IPC, the copy stream in the transfer process)")
     _add_pipeline(gen)
-    gen.add_argument("--chooser-cache", default=None, metavar="DIR",
-                     help="where a drafting run keeps its K chooser for the next run of the same setup, and "
-                          "starts from the last one's (speed only: output is the same for every K); 'none': "
-                          "always start fresh (default: $SPECTER_CHOOSER_CACHE, else ~/.cache/specter/choosers; "
-                          "specter/plan/window_store.py)")
+    _add_chooser_cache(gen)
     gen.add_argument("--connect-timeout", type=_seconds, default=30.0,
                      help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")
     _add_batch(commands)
@@ -171,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     add_quantize_command(commands)
     return parser
+
+
+def _add_chooser_cache(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--chooser-cache", default=None, metavar="DIR",
+                         help="where a drafting run keeps its K chooser for the next run of the same setup, and "
+                              "starts from the last one's (speed only: greedy output is the same for every K); "
+                              "'none': always start fresh (default: $SPECTER_CHOOSER_CACHE, else "
+                              "~/.cache/specter/choosers; specter/plan/window_store.py)")
 
 
 def _add_pipeline(command: argparse.ArgumentParser, when: str = "") -> None:
@@ -252,6 +256,7 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--retries", type=int, default=2, help="retries of a prompt whose replica failed")
     batch.add_argument("--timeout", type=float, default=60.0,
                        help="seconds an actor waits on a silent peer (handshake, transfer, draft) before failing")
+    _add_chooser_cache(batch)
     batch.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of a local Ray")
     batch.add_argument("--connect-timeout", type=_seconds, default=30.0,
                        help="seconds to reach and join a cluster (--address auto|HOST:PORT) before failing (30)")

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,8 @@ class _KeptChooser:
     ``state`` to start from (``{}``: none kept, or ``--chooser-cache none``), ``save`` after the run."""
 
     IGNORED = ("command", "verbose", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k",
-               "seed", "json", "connect_timeout", "chooser_cache")  # what moves no round's cost
+               "seed", "json", "connect_timeout", "chooser_cache",  # what moves no round's cost; batch's:
+               "input", "out", "on_bad_line", "request_timeout", "retries", "timeout", "num_cpus")
 
     def __init__(self, args: argparse.Namespace, window: int, sampling: SamplingConfig):
         from specter import __version__
@@ -152,12 +154,13 @@ class _KeptChooser:
             return
         setup = {k: v for k, v in sorted(vars(args).items()) if k not in self.IGNORED}
         model, draft = resolve_model_dir(args.model), resolve_model_dir(args.draft)
-        cuda = torch.cuda.is_available() and (args.device is None or torch.device(args.device).type == "cuda")
+        device = getattr(args, "device", None)  # batch: the cluster's
+        cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
         setup.update(
             model=str(model.resolve()), model_config=read_config_dict(model), draft=str(draft.resolve()),
             draft_config=read_config_dict(draft), window=window, sampled=not sampling.greedy,
-            device_name=torch.cuda.get_device_name(args.device) if cuda else "cpu",
-            threads=compute_threads(args.threads), version=__version__, torch=torch.__version__,
+            device_name=torch.cuda.get_device_name(device) if cuda else "cpu",
+            threads=compute_threads(getattr(args, "threads", None)), version=__version__, torch=torch.__version__,
         )
         self.setup = json.loads(json.dumps(setup, default=str))
         self.path = window_store.path_for(directory, self.setup)
@@ -380,6 +383,9 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _eos(args.model), args.replicas, args.request_timeout, args.retries, args.timeout, host_profile,
         args.pipeline is not False,
     )
+    kept = _KeptChooser(args, window, sampling) if window else None
+    if kept is not None:
+        options = replace(options, chooser=kept.state)
     owns_ray = not ray.is_initialized()
     if owns_ray:
         init_ray(args.address, args.num_cpus, args.connect_timeout)
@@ -394,9 +400,13 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if owns_ray:
             ray.shutdown()
     wall = time.monotonic() - t0
+    if kept is not None:
+        kept.save(report.chooser)
+    chooser = f", K chooser kept from {kept.state['requests']} earlier request(s)" if kept is not None and kept.state \
+        else ""
     print(f"specter batch: {report.finished} finished, {report.failed} failed, {report.skipped} skipped (done "
           f"before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
-          f"({report.tokens / max(wall, 1e-9):.1f} tok/s) -> {args.out}", file=sys.stderr)
+          f"({report.tokens / max(wall, 1e-9):.1f} tok/s){chooser} -> {args.out}", file=sys.stderr)
     if report.failed:
         print(f"specter batch: failures are in {errors_path(args.out)}; re-run the same command to retry them",
               file=sys.stderr)

@@ -9,7 +9,9 @@ bench keeps one chooser for all its requests, so only their first request pays t
 a fresh one's ran at 1.12–1.32× (drafting loses); on a workload whose draft accepts in bursts it ran
 ~10 % slower than fresh ones (it keeps to plain steps), geomean 0.79× fresh over the eight.
 
-So ``generate`` starts from the chooser its last run with the same setup left, and saves it after.
+So ``generate`` starts from the chooser its last run with the same setup left, and saves it after;
+``specter batch`` does the same for each replica's first request and keeps the chooser of the replica
+that served most (``actors/batch.py``: ``BatchOptions.chooser``).
 The setup is everything that moves what a round costs or how often the draft is right: the model
 and draft (their folders and ``config.json``), policy, window cap, budget, link, device, dtype,
 clock and profile, threads, in process or through which processes, pipelining, greedy or sampled,

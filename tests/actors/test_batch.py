@@ -97,6 +97,31 @@ def test_two_replicas_every_prompt_once_identical_then_resume(local_ray, models,
     assert _read(out) == rows
 
 
+def test_a_batch_hands_its_k_chooser_on(local_ray, models, reference, tmp_path) -> None:
+    """``specter batch`` keeps its K chooser between runs as ``generate`` does: given a state (``{}``:
+    none), the report carries the chooser of the replica that served most, and the next batch's replica
+    starts from it; the results hold only tokens, text and stats, identical to the reference."""
+    items = _items(3)
+    first = ResultsFile(tmp_path / "a.jsonl")
+    report = run_batch(items, first, tmp_path / "a.jsonl", _specter(models, {}), encode, decode)
+    first.close()
+    assert report.finished == 3 and report.chooser is not None and report.chooser["requests"] == 3
+    second = ResultsFile(tmp_path / "b.jsonl")
+    again = run_batch(items, second, tmp_path / "b.jsonl", _specter(models, report.chooser), encode, decode)
+    second.close()
+    assert again.chooser is not None and again.chooser["requests"] == 6  # went on from the first batch's
+    for out in ("a.jsonl", "b.jsonl"):
+        rows = _read(tmp_path / out)
+        assert {row["id"]: row["tokens"] for row in rows} == {k: reference[k] for k in ("p0", "p1", "p2")}
+        assert all(set(row) == {"id", "text", "tokens", "stats"} for row in rows)
+
+
+def _specter(models, chooser) -> BatchOptions:
+    folder, draft = models
+    return BatchOptions(str(folder), str(draft), SlotConfig(fraction=0.25), LINK, policy="specter", window=3,
+                        chooser=chooser)
+
+
 def test_resume_after_a_torn_line_runs_only_the_rest(local_ray, models, reference, tmp_path) -> None:
     out = tmp_path / "results.jsonl"
     first = {"id": "p0", "text": "", "tokens": reference["p0"], "stats": {}}

@@ -53,8 +53,10 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> No
     assert code == 1 and f"{src}:2: 'prompt' must be a string" in stderr
     assert not out.exists()  # nothing ran
 
-    first = _batch(str(src), "--out", str(out))
+    cache = tmp_path / "choosers"
+    first = _batch(str(src), "--out", str(out), "--chooser-cache", str(cache))
     assert first.returncode == 0, first.stderr[-3000:]
+    assert len(list(cache.iterdir())) == 1 and "K chooser kept" not in first.stderr
     assert f"{src}:2:" in first.stderr and "3 to run" in first.stderr and "3 finished, 0 failed" in first.stderr
     rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert sorted(rows) == ["a", "b", "c"]
@@ -71,3 +73,10 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> No
     code, stderr = _batch_here(capsys, str(src), "--out", str(out))
     assert code == 0 and "3 already in" in stderr and "0 to run" in stderr
     assert len(out.read_text().splitlines()) == 3
+
+    # another batch of the same setup starts from the K chooser the first one left (speed only)
+    again = _batch(str(src), "--out", str(tmp_path / "again.jsonl"), "--chooser-cache", str(cache))
+    assert again.returncode == 0 and "K chooser kept from 3 earlier request(s)" in again.stderr, again.stderr[-3000:]
+    assert {row["id"]: row["tokens"] for row in map(json.loads, (tmp_path / "again.jsonl").read_text().splitlines())} \
+        == {ident: row["tokens"] for ident, row in rows.items()}
+    assert json.loads(next(cache.iterdir()).read_text())["chooser"]["requests"] == 6

@@ -56,6 +56,13 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
     return timing
 
 
+def _on_cuda(args: argparse.Namespace) -> bool:
+    """Whether the run computes on this machine's GPU: ``--device`` names one, or is not given and torch
+    sees one (``batch``, which has no ``--device``: whether this machine has one)."""
+    device = getattr(args, "device", None)
+    return torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+
+
 def default_draft(args: argparse.Namespace) -> None:
     """The embedded model's shipped AWQ draft where a run that drafts (a drafting policy, or ``--window`` > 0)
     names no ``--draft``; another model still needs one named."""
@@ -101,7 +108,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --device-memory: not available with --address or --processes yet; use --budget")
     if args.address is None and not args.processes:
         torch.set_num_threads(compute_threads(args.threads))
-    cuda = torch.cuda.is_available() and (args.device is None or torch.device(args.device).type == "cuda")
+    cuda = _on_cuda(args)
     timing = _timing(args, parser, cuda)
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
@@ -154,12 +161,11 @@ class _KeptChooser:
             return
         setup = {k: v for k, v in sorted(vars(args).items()) if k not in self.IGNORED}
         model, draft = resolve_model_dir(args.model), resolve_model_dir(args.draft)
-        device = getattr(args, "device", None)  # batch: the cluster's
-        cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        cuda = _on_cuda(args)
         setup.update(
             model=str(model.resolve()), model_config=read_config_dict(model), draft=str(draft.resolve()),
             draft_config=read_config_dict(draft), window=window, sampled=not sampling.greedy,
-            device_name=torch.cuda.get_device_name(device) if cuda else "cpu",
+            device_name=torch.cuda.get_device_name(getattr(args, "device", None)) if cuda else "cpu",
             threads=compute_threads(getattr(args, "threads", None)), version=__version__, torch=torch.__version__,
         )
         self.setup = json.loads(json.dumps(setup, default=str))

@@ -27,7 +27,7 @@ step alone (``vs_resident``: over the resident target step). Prints one JSON lin
 step kind each setting's TPOT over ``demand-lru``'s prompt by prompt (a kept chooser's first prompt is a
 fresh one's) and their geomean (``specter-kept``'s also after its first prompt: what ``specter generate``
 gets from its second run of a setup on, ``specter/plan/window_store.py``); writes ``as_built_steps.json``.
-``--prompts``/``--new-tokens`` (default 3 x 48), ``--steps`` and ``--settings`` run a part of it
+``--prompts``/``--new-tokens`` (default 3 x 48, drawn with ``--prompt-seed``), ``--steps`` and ``--settings`` run a part of it
 (``demand-lru`` always runs: it is the ratios' base).
 """
 
@@ -81,6 +81,8 @@ parser.add_argument("--shrink", type=int, default=None,
                          "takes only from there (its 1408 / 8 = 176 is no multiple of 32)")
 parser.add_argument("--prompts", type=int, default=3, help="prompts per setting (default 3)")
 parser.add_argument("--new-tokens", type=int, default=48, help="tokens per prompt (default 48)")
+parser.add_argument("--prompt-seed", type=int, default=5,
+                    help="the seed the prompts' random tokens are drawn with (default 5; another draws a held-out set)")
 parser.add_argument("--steps", default="eager,static,prepared",
                     help="which step kinds, comma-separated (default all three: eager, static, prepared)")
 parser.add_argument("--settings", default=None,
@@ -113,7 +115,7 @@ if not model.exists():
     synthetic.build_synthetic(shape, model, layers=4, gain=gain, shrink=shrink, dtype=torch.float32)
     quantize_model(str(model), str(work / "draft"), method="rtn", progress=False)
 profile = vd._profile(profile_name.replace("-h200", f"-{args.gpu}"), synthetic.SHAPES[shape], args.real_layers)
-gen = torch.Generator().manual_seed(5)
+gen = torch.Generator().manual_seed(args.prompt_seed)
 prompts = [torch.randint(0, 4096, (8,), generator=gen).tolist() for _ in range(args.prompts)]
 dims = vd._dims(model, dtype)  # the link moves an expert of the run's dtype in the profile's time
 
@@ -169,7 +171,7 @@ for step, dname, prepared in (KINDS[kind] for kind in args.steps.split(",")):
                 target.close()
             tpots.append(stats.tpot_s * 1e3)
             acc.append((stats.extra.get("mean_accepted", 0), stats.extra.get("mean_window", 0)))
-        row = {"workload": args.workload, "shrink": shrink, "gpu": args.gpu, "dtype": args.dtype, "real_layers": args.real_layers,
+        row = {"workload": args.workload, "shrink": shrink, "gpu": args.gpu, "dtype": args.dtype, "prompt_seed": args.prompt_seed, "real_layers": args.real_layers,
                "profile": profile.name, "draft_mode": args.draft_mode, "step": step,
                "dispatch": dname, "prepared": prepared, "setting": setting, "tpot_ms": statistics.median(tpots),
                "tpot_ms_prompts": tpots,

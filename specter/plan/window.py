@@ -65,18 +65,6 @@ measured from its fifth round made drafting look cheaper than plain steps where 
 grid on three prompt sets, docs/benchmark.md). Once the chooser
 switches between plain and drafting (or between the plain arms) it stays until the new stint has
 measured a settled round.
-
-A chooser serves request after request (a server's, a batch job's, one kept between runs): what a
-K costs carries over, but the acceptance it measured belongs to the last text. Its counts are in
-positions and decay per round, so a text whose draft was followed for long windows leaves them worth
-hundreds of positions: α 0.97 after a K 25 round all accepted, and the next text, which the draft
-followed for two tokens, opened at K 32 and needed three rounds (2, 3, then 0 of 16 accepted) to
-leave it — 1.84× ``demand-lru``'s time on that prompt. So a new request keeps the last text's rate
-as worth ``NEW_TEXT`` positions beside the prior: its first rounds set α, and the opening K is the
-one that rate, drawn a little toward the prior, pays for (0.97 opens at 0.93). Kept at the full
-count, or at a quarter of it, the new text's rounds hardly move it; at 8–12 positions the prior's
-0.75 weighs so much that a draft the target follows closely opens short on every text
-(``docs/benchmark.md``, "Kept between runs").
 """
 
 from __future__ import annotations
@@ -99,7 +87,6 @@ SETTLE = {False: 8, True: 1}  # rounds of a kind in a row before one measures (p
 SPREAD = 1.0  # the rounds' forwards must vary this much (variance) before c is told from d
 PLAIN_CACHED = -1  # the plain step that caches its host-computed experts (``cache_arm``)
 FORGET = 0.98  # per round, on every K's measurement count (a K unplayed for ~100 rounds is fresh again)
-NEW_TEXT = 16.0  # positions the last text's acceptance weighs at a new request, beside the prior
 STATE_VERSION = 1  # of ``WindowChooser.state``'s layout: a state of another version is not read
 _KEYED = {"verify_s": float, "shape": float, "measured": float, "samples": int}  # keyed by K (strings in JSON)
 _SCALARS = {"route_last": bool, "cache_arm": bool, "draft_s": float, "round_s": float, "level": float,
@@ -251,11 +238,7 @@ class WindowChooser:
         self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
 
     def begin_request(self) -> None:
-        """A request starts: its first round follows a prefill, so it measures nothing; the last text's
-        acceptance weighs ``NEW_TEXT`` positions beside the prior from now on (a guess about this text)."""
-        if self.requests and self.tried > ALPHA_PRIOR[1] + NEW_TEXT:
-            rate = self.accepted / self.tried
-            self.accepted, self.tried = ALPHA_PRIOR[0] + rate * NEW_TEXT, ALPHA_PRIOR[1] + NEW_TEXT
+        """A request starts: its first round follows a prefill, so it measures nothing."""
         self.kind, self.stint, self.stint_measured = None, 0, True
         self.requests += 1
 

@@ -134,3 +134,23 @@ def test_the_embedded_model_drafts_with_its_shipped_draft_unless_told_otherwise(
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2", "--policy", "specter"])
     assert exc.value.code == 2 and "--draft" in capsys.readouterr().err
+
+
+def test_the_command_lines_policy_and_option_lists_are_the_policies_own():
+    """``specter/cli/names.py`` lists them without importing the policies; these are what they must be."""
+    from specter.cli.names import OPTION_NAMES, POLICY_NAMES
+    from specter.plan import OPTIONS, POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    assert tuple(OPTIONS) == OPTION_NAMES
+
+
+def test_help_answers_without_importing_torch():
+    """``specter --help`` and a command's ``--help`` build the whole parser and print it without torch
+    (a second on two cores); a run imports it once its arguments parsed."""
+    probe = ("import sys\nfrom specter.cli import main\n"
+             "for argv in (['--help'], ['generate', '--help'], ['bench', '--help'], ['quantize', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit as exc:\n        assert exc.code == 0, (argv, exc.code)\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]

@@ -20,11 +20,6 @@ import sys
 from typing import NoReturn
 
 from specter.cli.args import build_parser
-from specter.cli.bench import run_bench
-from specter.cli.commands import _batch, _generate, _serve
-from specter.draft.quantize.cli import run_quantize
-from specter.models.checkpoint import CheckpointError
-from specter.remote.roles.base import RoleStartError
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -33,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    # the commands import torch (a second): only once the arguments parsed, so ``--help`` answers at once
+    from specter.cli.bench import run_bench
+    from specter.cli.commands import _batch, _generate, _serve
+    from specter.draft.quantize.cli import run_quantize
+    from specter.models.checkpoint import CheckpointError
+    from specter.remote.roles.base import RoleStartError
+
     try:
         if args.command == "generate":
             return _generate(args, parser)

@@ -7,17 +7,15 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-import torch
-
 from specter.assets import DEFAULT_MODEL
+from specter.cli.names import OPTION_NAMES, POLICY_NAMES
 from specter.config import ACTORS_VIA, LinkConfig, SlotConfig, parse_bytes
 from specter.draft.quantize.cli import add_quantize_command, positive_int
-from specter.plan import OPTIONS, POLICIES, policy_class
-from specter.timing.clock import CLOCKS
+from specter.timing import CLOCKS
 from specter.timing.profiles import PROFILES
 
 DEFAULT_BENCH_PROFILES = "qwen2moe-pcie4,dsv2lite-pcie4"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype's names: torch's dtypes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +53,8 @@ def _size(text: str) -> int:
 
 def _device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, refused here where this machine has no such device."""
+    import torch  # here, not at the top: ``specter --help`` answers without importing torch
+
     expected = f"expected cpu, cuda or cuda:N, got {text!r}"
     try:
         device = torch.device(text)
@@ -71,6 +71,8 @@ def _device(text: str) -> str:
 
 
 def _policy(text: str) -> str:
+    from specter.plan import policy_class  # imports the policies, and torch: only where a policy is given
+
     try:
         policy_class(text)
     except ValueError as exc:
@@ -78,7 +80,7 @@ def _policy(text: str) -> str:
     return text
 
 
-_POLICY_HELP = f"prefetch policy NAME[+OPTION...]: {', '.join(sorted(POLICIES))}; options {', '.join(OPTIONS)}"
+_POLICY_HELP = f"prefetch policy NAME[+OPTION...]: {', '.join(sorted(POLICY_NAMES))}; options {', '.join(OPTION_NAMES)}"
 
 
 def _token_ids(text: str) -> list[int]:
@@ -326,7 +328,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--new-tokens", type=positive_int, default=128)
     bench.add_argument("--profiles", default=DEFAULT_BENCH_PROFILES,
                        help=f"comma-separated, from: {', '.join(PROFILES)}")
-    bench.add_argument("--policies", default=",".join(POLICIES))
+    bench.add_argument("--policies", default=",".join(POLICY_NAMES))
     bench.add_argument("--budget", type=_fraction, default=None,
                        help="device expert slots, 0 < F <= 1, for every profile (default: each profile's own, "
                             "docs/profiles.md)")

@@ -56,6 +56,11 @@ def _timing(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: boo
     return timing
 
 
+def _dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """``--dtype``'s torch dtype (None: the default for where the run computes)."""
+    return getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+
+
 def _on_cuda(args: argparse.Namespace) -> bool:
     """Whether the run computes on this machine's GPU: ``--device`` names one, or is not given and torch
     sees one (``batch``, which has no ``--device``: whether this machine has one)."""
@@ -222,7 +227,7 @@ def _in_process(args, parser, timing, budget, window, sampling, kept):  # type: 
     draft = load_draft(args.draft, device=args.device, mode=mode) if args.draft is not None else None
     memory = MemoryRequest(args.device_memory, getattr(draft, "device_bytes", 0), window=window)
     target = OffloadedTarget.load(args.model, budget, timing.link, args.policy, device=args.device,
-                                  dtype=DTYPES.get(args.dtype or ""), memory=memory, clock=timing.make_clock())
+                                  dtype=_dtype(args), memory=memory, clock=timing.make_clock())
     if target.memory_plan is not None:
         print(target.memory_plan.describe(), file=sys.stderr)
     if timing.host is not None:  # the profile's host (docs/profiles.md)
@@ -250,7 +255,7 @@ def _through_actors(args, parser, timing, budget, window, sampling, kept):  # ty
     link = None if args.link is None and timing.profile is None else timing.link
     vocab = int(read_config_dict(resolve_model_dir(args.model))["vocab_size"])
     address = None if args.address == "none" else args.address
-    dtype = DTYPES[args.dtype] if args.dtype else None
+    dtype = _dtype(args)
     with Client(args.model, args.draft, budget, link, args.policy, address=address,
                 connect_timeout_s=args.connect_timeout, host_profile=timing.profile, dtype=dtype) as client:
         prompt_ids = _prompt_ids(args, parser, client.tokenizer, vocab)
@@ -267,7 +272,7 @@ def _through_processes(args, parser, timing, budget, window, sampling, kept):  #
     from specter.target import load_tokenizer
 
     config = read_config_dict(resolve_model_dir(args.model))
-    dtype = DTYPES[args.dtype] if args.dtype else None
+    dtype = _dtype(args)
     roles = "transfer, verifier and draft processes" if args.draft is not None else "transfer and verifier processes"
     print(f"specter: starting the {roles} (no Ray; the first start imports torch and transformers once)",
           file=sys.stderr, flush=True)

@@ -35,12 +35,11 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
+from specter.timing import CLOCKS
 from specter.timing.dispatch import Dispatch, DispatchCount
 
 if TYPE_CHECKING:
     from specter.models.routing import DraftCompute, Routing
-
-CLOCKS = ("wall", "virtual", "as-built", "measured")
 SPIN_S = 5e-4  # the wall clock stops sleeping this long before a deadline and yields instead
 
 

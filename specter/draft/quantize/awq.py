@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specter.draft.format.qweight import QuantWeight, choose_group_size, quantize_weight
+from specter.draft.quantize import LAYOUTS, METHODS
 from specter.draft.quantize.search import (
     ExpertLoss,
     Searched,
@@ -27,12 +28,6 @@ from specter.draft.quantize.search import (
     search_weight,
 )
 
-METHODS = ("awq", "rtn", "int8")
-# Where AWQ's gate/up input scale lives: ``folded`` (one scale per layer, folded into the draft's
-# post-attention norm and the other readers of it; each expert's down scale folded into its up
-# rows: plain W4A16 that stock readers compute right) or ``per-expert`` (a scale per expert and
-# projection, stored as ``weight_awq_scale``: only Specter reads it, stock readers refuse it).
-LAYOUTS = ("folded", "per-expert")
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 

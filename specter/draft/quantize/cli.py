@@ -14,8 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specter.draft.quantize.awq import LAYOUTS, METHODS
-from specter.models.checkpoint import CheckpointError
+from specter.draft.quantize import LAYOUTS, METHODS
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     """Run ``specter quantize``; returns the process exit status."""
     from specter.draft.quantize.calibrate import GenerationSpec
     from specter.draft.quantize.model import quantize_model
+    from specter.models.checkpoint import CheckpointError
 
     if not Path(args.model).expanduser().exists():
         return _fail(f"model folder {args.model!r} does not exist")

@@ -78,8 +78,8 @@ def test_the_store_keeps_one_file_per_setup_and_refuses_another_setups(tmp_path)
     assert window_store.load(path, setup) is None  # nothing kept yet
     chooser = WindowChooser()
     _request(chooser, random.Random(0))
-    window_store.save(path, setup, chooser)
-    assert window_store.load(path, setup).state() == WindowChooser.from_state(chooser.state()).state()
+    window_store.save(path, setup, chooser.state())
+    assert WindowChooser.from_state(window_store.load(path, setup)).state() == WindowChooser.from_state(chooser.state()).state()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
     with pytest.raises(ValueError, match="no chooser for this setup"):
         window_store.load(path, other)

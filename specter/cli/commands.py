@@ -176,23 +176,21 @@ class _KeptChooser:
         self.setup = json.loads(json.dumps(setup, default=str))
         self.path = window_store.path_for(directory, self.setup)
         try:
-            chooser = window_store.load(self.path, self.setup)
-            if chooser is not None:  # one of this policy's kind, or a warning now rather than an error later
-                chooser = make_policy(args.policy).window_chooser_from(chooser.state())
+            state = window_store.load(self.path, self.setup)
+            if state is not None:  # one of this policy's kind, or a warning now rather than an error later
+                make_policy(args.policy).window_chooser_from(state)
         except ValueError as exc:
             print(f"specter: starting a fresh K chooser: {exc}", file=sys.stderr)
             return
-        if chooser is not None:
-            self.state = chooser.state()
+        self.state = state or {}
 
     def save(self, state: dict[str, Any] | None) -> None:
         from specter.plan import window_store
-        from specter.plan.window import WindowChooser
 
         if self.path is None or not state:
             return
         try:
-            window_store.save(self.path, self.setup, WindowChooser.from_state(state))
+            window_store.save(self.path, self.setup, state)
         except OSError as exc:
             print(f"specter: could not keep the K chooser in {self.path}: {exc.strerror}", file=sys.stderr)
 

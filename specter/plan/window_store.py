@@ -55,8 +55,9 @@ def path_for(directory: str | Path, setup: dict[str, Any]) -> Path:
     return Path(directory) / f"{digest}.json"
 
 
-def load(path: Path, setup: dict[str, Any]) -> WindowChooser | None:
-    """The chooser kept in ``path`` for ``setup``; None when there is none yet.
+def load(path: Path, setup: dict[str, Any]) -> dict[str, Any] | None:
+    """The state of the chooser kept in ``path`` for ``setup`` (``WindowChooser.state``'s, read back
+    field by field); None when there is none yet.
 
     Raises:
         ValueError: the file is there but is not a chooser kept for this setup (says why)."""
@@ -72,19 +73,22 @@ def load(path: Path, setup: dict[str, Any]) -> WindowChooser | None:
         raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict) or json.loads(json.dumps(setup, default=str)) != data.get("setup"):
         raise ValueError(f"{path} holds no chooser for this setup")
+    state = data.get("chooser")
     try:
-        return WindowChooser.from_state(data.get("chooser"))  # type: ignore[arg-type]
+        WindowChooser.from_state(state)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+    return state  # type: ignore[no-any-return]
 
 
-def save(path: Path, setup: dict[str, Any], chooser: WindowChooser) -> None:
-    """Keep ``chooser`` for ``setup`` in ``path``, whole or not at all (a temporary file renamed over it).
+def save(path: Path, setup: dict[str, Any], state: dict[str, Any]) -> None:
+    """Keep a chooser's ``state`` (``WindowChooser.state``'s) for ``setup`` in ``path``, whole or not at
+    all (a temporary file renamed over it).
 
     Raises:
         OSError: the folder or the file cannot be written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"setup": setup, "chooser": chooser.state()}, indent=1, default=str)
+    text = json.dumps({"setup": setup, "chooser": state}, indent=1, default=str)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as out:

@@ -10,7 +10,11 @@ for more than a few tokens' worth of work a step — on an offloaded model a pro
 most experts, and a whole prompt in one pass would hold the link for many steps. A step feeds at most
 ``prefill_chunk`` prompt tokens in all: several waiting requests join the same step while their whole
 prompts fit in that (short prompts need not queue a step each), a longer one only when no other
-prompt is being fed. A finished or cancelled request leaves at once, its cache dropped.
+prompt is being fed. A step whose requests draft more tokens than that feeds a prompt as many: a
+round of K drafted by n requests already verifies n·(K + 1) positions, and with the K a kept chooser
+plays on a draft that leads (~20) requests finish in a few rounds — at 16 prompt tokens a round the
+next prompts queued behind one another and the batch emptied (``docs/serving.md``, "A server's
+steady state"). A finished or cancelled request leaves at once, its cache dropped.
 
 With a draft (a drafting policy such as ``specter``), each step is a speculative round for every
 decoding request: each request's own draft (a ``LocalProposer``: its own draft cache and generator,
@@ -59,15 +63,22 @@ class Batcher:
     Args:
         target: the offloaded target (its lean step: mixtral, qwen2_moe, qwen3_moe).
         max_batch: requests decoded together at most; more wait in arrival order.
-        prefill_chunk: prompt tokens a step feeds at most, over every joining request.
+        prefill_chunk: prompt tokens a step feeds at most, over every joining request (or, where a
+            round drafts more tokens, as many as it drafts).
         draft: the draft model (``DraftModel``) for a drafting policy's speculative rounds.
         drafter: instead of ``draft``, what drafts them (``BatchDrafter``: the draft process's).
         window: K, draft tokens per round (default: the policy's); an adaptive policy's per-round
             choice is capped by it (``specter+fixed`` drafts K every round).
+        choosers: an adaptive policy's K choosers to go on from (``chooser_states``' of an earlier
+            batcher: a server kept between runs), by the number of requests drafting together.
+
+    Raises:
+        ValueError: a bad argument, or a kept chooser state that is no chooser of this policy's kind.
     """
 
     def __init__(self, target: OffloadedTarget, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
-                 draft: Any = None, window: int | None = None, drafter: BatchDrafter | None = None):
+                 draft: Any = None, window: int | None = None, drafter: BatchDrafter | None = None,
+                 choosers: dict[int, dict[str, Any]] | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -87,6 +98,8 @@ class Batcher:
         # chooser per number of drafting requests, since what a K costs grows with how many draft it together
         self.choosers: dict[int, WindowChooser] | None = (
             {} if drafter is not None and policy.adaptive_window else None)
+        if self.choosers is not None and choosers:
+            self.choosers = {n: policy.window_chooser_from(state) for n, state in choosers.items()}
         if window is None:  # the policy's K (an adaptive policy's: its chooser's cap)
             window = policy.default_window
         self.window = 0 if drafter is None else window
@@ -194,6 +207,12 @@ class Batcher:
             return 0
         return max(0, min(cap, request.max_new_tokens - len(request.tokens) - 1))
 
+    def chooser_states(self) -> dict[int, dict[str, Any]]:
+        """The states of the K choosers that have measured a round (or were kept), by the number of
+        requests drafting together (``WindowChooser.state``'s; ``choosers=`` takes them back). Call it
+        between steps (the server's engine lock held)."""
+        return {n: c.state() for n, c in sorted((self.choosers or {}).items()) if c.verify_s}
+
     def _choose(self, batch: list[BatchRequest]) -> tuple[int, WindowChooser | None]:
         """This round's K and the chooser that chose it: with choosers, the one for the number of
         requests that can draft (set as the policy's, so that its round sees the K), else the window."""
@@ -207,8 +226,9 @@ class Batcher:
         return chooser.choose(max(room)), chooser
 
     def _rows(self, batch: list[BatchRequest], ks: list[int]) -> list[tuple[list[int], list[int], list[Any]]]:
-        """What each request puts in this step — its prompt's next chunk, or its last token and the
-        ``ks[i]`` draft tokens of this round — and those drafts with their distributions (sampled). The
+        """What each request puts in this step — its prompt's next chunk (``prefill_chunk`` tokens, or as
+        many as the round's draft tokens where more), or its last token and the ``ks[i]`` draft tokens
+        of this round — and those drafts with their distributions (sampled). The
         drafting requests draft together, one batched draft forward per step (the drafter's ``propose``)."""
         drafting = [i for i, k in enumerate(ks) if k > 0]
         assert self.drafter is not None or not drafting
@@ -217,9 +237,10 @@ class Batcher:
             [batch[i].prompt_ids + batch[i].tokens for i in drafting], [ks[i] for i in drafting],
             self.policy.on_plan, self.policy.route_last_draft), strict=True)) if drafting else {}
         rows: list[tuple[list[int], list[int], list[Any]]] = []
+        chunk = max(self.prefill_chunk, sum(ks))  # a prompt keeps pace with the round's draft tokens
         for i, request in enumerate(batch):
             if request.fed < len(request.prompt_ids):
-                rows.append((request.prompt_ids[request.fed:request.fed + self.prefill_chunk], [], []))
+                rows.append((request.prompt_ids[request.fed:request.fed + chunk], [], []))
             elif i in proposals:
                 drafted, qs = proposals[i]
                 rows.append((request.tokens[-1:] + drafted, drafted, qs))

@@ -228,6 +228,30 @@ def test_a_joining_prompt_is_fed_a_chunk_per_step_beside_the_running_requests(ti
     assert len(running.tokens) == 10
 
 
+def test_a_joining_prompt_keeps_pace_with_the_rounds_draft_tokens(tiny_dir):
+    """A step whose requests draft more tokens than ``prefill_chunk`` feeds a joining prompt as many
+    (a round of K already verifies K + 1 positions a request; a step without drafts feeds the chunk:
+    the test above). Every request's tokens stay those it makes alone."""
+    folder = tiny_dir("qwen2_moe")
+    draft = load_draft(folder, device="cpu", mode="dequant-cache")
+    target = _target(folder, budget=0.25, policy="specter+fixed")
+    long_prompt = [(7 * i + 3) % 120 for i in range(20)]
+    try:
+        alone = [Engine(target).generate(p, n)[0] for p, n in ((PROMPTS[0], 40), (long_prompt, 6))]
+        batcher = Batcher(target, max_batch=2, prefill_chunk=3, draft=draft, window=4)
+        running = batcher.submit(BatchRequest(PROMPTS[0], 40))
+        while not running.tokens:
+            batcher.step()
+        joining = batcher.submit(BatchRequest(long_prompt, 6))
+        positions = _positions_per_pass(target)
+        while batcher.step():
+            pass
+    finally:
+        target.close()
+    assert running.result(0)[0] == alone[0] and joining.result(0)[0] == alone[1]
+    assert positions[:5] == [[5, 4]] * 5  # the running request's round of 4 beside 4 prompt tokens, not 3
+
+
 def test_short_prompts_join_together_and_a_step_never_feeds_more_than_a_chunk(tiny_dir):
     """Waiting requests join the same step while their whole prompts fit in one ``prefill_chunk``; a
     longer prompt joins only when no other is being fed, and is fed a chunk a step."""

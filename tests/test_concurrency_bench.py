@@ -57,3 +57,35 @@ def test_the_command_writes_its_table_and_json(tmp_path, capsys):
         for row in by_n.values():
             assert 0 < row["tokens_per_s"] <= row["bound_tokens_per_s"] * (1 + 1e-9), policy
     assert "qwen2moe-pcie4" in capsys.readouterr().out
+
+
+def test_a_kept_row_goes_on_from_the_choosers_its_fresh_run_left(tiny_dir, monkeypatch):
+    """``kept``: an adaptive policy runs again at each N from the K choosers its fresh run left (what a
+    restarted ``specter serve`` starts from); a policy without a chooser gets no kept row."""
+    folder = tiny_dir("qwen2_moe")
+    made: list[tuple[dict | None, concurrency.Batcher]] = []
+
+    class Recorded(concurrency.Batcher):
+        def __init__(self, *args, choosers=None, **kwargs):
+            super().__init__(*args, choosers=choosers, **kwargs)
+            made.append((choosers, self))
+
+    monkeypatch.setattr(concurrency, "Batcher", Recorded)
+    config = concurrency.ConcurrencyConfig(str(folder), PROMPTS, ["qwen2moe-pcie4"], ["demand-lru", "specter"], [2],
+                                           new_tokens=12, requests_per_client=2, draft=str(folder), kept=True)
+    rows = concurrency.run(config, progress=False)["profiles"]["qwen2moe-pcie4"]["rows"]
+    assert list(rows) == ["demand-lru", "specter", "specter kept"]
+    assert rows["specter kept"][2]["tokens"] == rows["specter"][2]["tokens"] == 4 * 12
+    (_, plain), (none, fresh), (kept, again) = made
+    assert plain.choosers is None and none is None
+    assert kept == fresh.chooser_states() and kept  # the fresh batcher's choosers, as it left them
+    for n, state in kept.items():  # and the kept batcher went on from them: its samples add to theirs
+        assert sum(again.choosers[n].samples.values()) >= sum(state["samples"].values())
+    assert sum(sum(c.samples.values()) for c in again.choosers.values()) > sum(
+        sum(s["samples"].values()) for s in kept.values())
+
+
+def test_kept_choosers_without_concurrency_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exited:
+        specter_main(["bench", "--kept-choosers"])
+    assert exited.value.code == 2 and "--kept-choosers: only with --concurrency" in capsys.readouterr().err

@@ -343,8 +343,13 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "profiles mixtral-pcie4,qwen2moe-pcie4; a drafting policy's rounds batched too, specter "
                             "choosing K per round, --window its cap; specter+fixed drafts K every round)")
     bench.add_argument("--prefill-chunk", type=positive_int, default=16,
-                       help="with --concurrency: prompt tokens a joining request feeds per step (default 16; a large "
-                            "value prefills a prompt in one pass, stalling the running requests meanwhile)")
+                       help="with --concurrency: prompt tokens a joining request feeds per step, or as many as the step's "
+                            "draft tokens where more (default 16; a large value prefills a prompt in one pass, "
+                            "stalling the running requests meanwhile)")
+    bench.add_argument("--kept-choosers", action="store_true",
+                       help="with --concurrency: also run each policy that chooses K per round as 'POLICY kept', its "
+                            "batcher going on from the K choosers its fresh run of the same N left (a server that "
+                            "kept them between runs, or has run for a while: specter serve keeps them)")
     bench.add_argument("--quick", action="store_true",
                        help="a preview: 3 prompts x 16 tokens, K scanned over 4 and 8 (1-2 minutes)")
     bench.add_argument("--actors", action="store_true",

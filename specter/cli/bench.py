@@ -26,6 +26,9 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.concurrency is not None:
         return _concurrency(args, parser)
+    if args.kept_choosers:
+        parser.error("argument --kept-choosers: only with --concurrency (the side-by-side bench keeps one chooser "
+                     "through its prompts already)")
 
     profiles = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in profiles if p not in PROFILES]
@@ -110,7 +113,7 @@ def _concurrency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     config = concurrency.ConcurrencyConfig(
         args.model, load_prompts(args.model, args.prompts, count), profiles, policies, sorted(set(counts)), tokens,
         clock=args.clock, budget=args.budget.fraction if args.budget is not None else None,
-        sampling=sampling_config(args, parser), prefill_chunk=args.prefill_chunk,
+        sampling=sampling_config(args, parser), prefill_chunk=args.prefill_chunk, kept=args.kept_choosers,
         draft=args.draft or str(Path(args.model).with_name(Path(args.model).name + "-awq")), windows=windows)
     try:
         concurrency.check(config)

@@ -48,6 +48,12 @@ class ConcurrencyConfig:
     prefill_chunk: int = PREFILL_CHUNK
     draft: str | None = None  # the draft folder, for drafting policies (speculative rounds batched)
     windows: dict[str, int] = field(default_factory=dict)  # K per policy (default: the batcher's)
+    # an adaptive policy also runs as "POLICY kept": a restarted server's batcher, going on from the K
+    # choosers the policy's fresh run of the same count left (``specter serve`` keeps them between runs)
+    kept: bool = False
+
+
+KEPT = " kept"  # the suffix of a kept row's policy
 
 
 def check(config: ConcurrencyConfig) -> None:
@@ -81,14 +87,19 @@ def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
             for count in config.counts:
                 for policy in config.policies:  # interleaved: machine noise (wall clock) hits every policy alike
                     target = targets[policy]
-                    target.offload.reset_residency()
-                    rows[policy][count] = _measure(target, config, count, draft if drafts(policy) else None,
-                                                   config.windows.get(policy))
-                    if progress:
-                        r = rows[policy][count]
-                        print(f"  [{name}] {policy:12s} N={count:<3d} {r['tokens_per_s']:10.1f} tok/s  "
-                              f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  TTFT {r['ttft_s'] * 1e3:8.2f} ms  "
-                              f"coverage {r['coverage']:.2f}", flush=True)
+                    runs = [policy] + ([policy + KEPT] if config.kept and target.offload.policy.adaptive_window
+                                       else [])
+                    choosers = None
+                    for row in runs:
+                        target.offload.reset_residency()
+                        rows.setdefault(row, {})[count], choosers = _measure(
+                            target, config, count, draft if drafts(policy) else None, config.windows.get(policy),
+                            choosers)
+                        if progress:
+                            r = rows[row][count]
+                            print(f"  [{name}] {row:12s} N={count:<3d} {r['tokens_per_s']:10.1f} tok/s  "
+                                  f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  TTFT {r['ttft_s'] * 1e3:8.2f} ms  "
+                                  f"coverage {r['coverage']:.2f}", flush=True)
         finally:
             for target in targets.values():
                 target.close()
@@ -96,10 +107,12 @@ def run(config: ConcurrencyConfig, progress: bool = True) -> dict[str, Any]:
     return out
 
 
-def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = None,
-             window: int | None = None) -> dict[str, float]:
-    """N closed-loop clients on one batcher; the figures of every request they sent."""
-    batcher = Batcher(target, max_batch=count, prefill_chunk=config.prefill_chunk, draft=draft, window=window)
+def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = None, window: int | None = None,
+             choosers: dict[int, dict[str, Any]] | None = None) -> tuple[dict[str, float], dict[int, dict[str, Any]]]:
+    """N closed-loop clients on one batcher (its K choosers going on from ``choosers``, when given): the
+    figures of every request they sent, and the choosers' states after them."""
+    batcher = Batcher(target, max_batch=count, prefill_chunk=config.prefill_chunk, draft=draft, window=window,
+                      choosers=choosers)
     total = count * config.requests_per_client
     pending = deque(BatchRequest(config.prompts[i % len(config.prompts)], config.new_tokens, config.sampling)
                     for i in range(total))
@@ -152,7 +165,7 @@ def _measure(target: Any, config: ConcurrencyConfig, count: int, draft: Any = No
         "window": statistics.fmean(s.extra["window"] for _, s in results), "mean_accepted": statistics.fmean(s.extra["mean_accepted"] for _, s in results),
         "coverage": cover, "hit_rate": statistics.fmean(s.hit_rate for _, s in results),
         "link_floor_s": missing * target.offload.store.shape.nbytes / link.bandwidth if hasattr(link, "bandwidth") else 0.0,
-    }
+    }, batcher.chooser_states()
 
 
 def plot(results: dict[str, Any], path: Path, bounds: tuple[str, ...] = ("specter",)) -> Path:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ class ServeOptions:
     timeout_s: float = 60.0
     host_profile: str | None = None
     max_batch: int = MAX_BATCH  # requests decoded together; 1: one at a time
+    # K choosers to start from (an earlier server's, kept: ``specter/plan/window_store.py``), by the number
+    # of requests drafting together; None or empty: fresh ones
+    choosers: dict[int, dict[str, Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -117,6 +121,8 @@ class SpecterServer:
         self.handle = launch(options.model, options.draft, options.budget, cluster_link(options.link),
                              options.policy, replica=f"serve-{os.getpid()}", timeout_s=options.timeout_s,
                              host_profile=options.host_profile, max_batch=options.max_batch)
+        if options.choosers:
+            ray.get(self.handle.verifier.keep_choosers.remote(options.choosers))
         concurrency = ray.get(self.handle.verifier.concurrency.remote())
         settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model),
                             concurrency)
@@ -128,6 +134,13 @@ class SpecterServer:
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi
 
+    async def kept(self) -> dict[str, Any]:
+        """What ``specter serve`` keeps for the next server of this setup: the K choosers' states
+        (``choosers``, by requests drafting together) and the ``requests`` this replica has started."""
+        states = await self.handle.verifier.chooser_states.remote()
+        progress = await self.handle.verifier.progress.remote()
+        return {"choosers": states, "requests": int(progress["requests"])}
+
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)
         if handle is not None:
@@ -135,6 +148,8 @@ class SpecterServer:
 
 
 SHUTDOWN_POLL_S = 0.2  # how often a stopping replica looks whether its running requests are done
+KEEP_EVERY_S = 60.0  # how often ``run`` hands the replica's K choosers to ``keep`` (and once on the way out)
+KEEP_TIMEOUT_S = 30.0  # for the replica's answer (it waits for the running step)
 
 
 def deployment(options: ServeOptions) -> Any:
@@ -152,9 +167,12 @@ def deployment(options: ServeOptions) -> Any:
 
 
 def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], None] | None = None,
-        stop: threading.Event | None = None) -> None:
+        stop: threading.Event | None = None, keep: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Start Serve's proxy on ``host:port`` and the application (Ray must be initialized), then block
-    until ``stop`` is set or SIGINT/SIGTERM arrives; delete the application on the way out."""
+    until ``stop`` is set or SIGINT/SIGTERM arrives; delete the application on the way out.
+
+    ``keep``: given, it is handed the replica's ``SpecterServer.kept`` every ``KEEP_EVERY_S`` and once
+    more before the application is deleted (``specter serve`` writes the K choosers to its store)."""
     stop = stop or threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -163,16 +181,31 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
         url = f"http://{host}:{port}"
         if on_ready is not None:
             on_ready(url)
+        kept_at = time.monotonic()
         while not stop.wait(0.5):
-            pass
+            if keep is not None and time.monotonic() - kept_at >= KEEP_EVERY_S:
+                _keep(keep)
+                kept_at = time.monotonic()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if keep is not None:
+            _keep(keep)
         try:
             serve.delete(APP_NAME)
             serve.shutdown()
         except Exception as exc:  # Ray already gone: nothing left to delete
             log.warning("serve shutdown: %s", exc)
+
+
+def _keep(keep: Callable[[dict[str, Any]], None]) -> None:
+    """Hand the replica's ``kept`` to ``keep``; a replica that cannot answer costs a warning."""
+    try:
+        kept = serve.get_app_handle(APP_NAME).kept.remote().result(timeout_s=KEEP_TIMEOUT_S)
+    except Exception as exc:  # the replica gone or not up: what the last call kept stands
+        log.warning("K choosers not kept: %s", exc)
+        return
+    keep(kept)
 
 
 def _eos(model: str) -> int | None:

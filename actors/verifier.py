@@ -55,5 +55,9 @@ class VerifierActor(VerifierRole):
         yield from super().stream(request_id, prompt_ids, max_new_tokens, **options)
 
     @ray.method(concurrency_group="control")
+    def chooser_states(self) -> dict[int, dict]:  # type: ignore[override]
+        return super().chooser_states()
+
+    @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, int | bool]:  # type: ignore[override]
         return super().progress()

@@ -14,6 +14,7 @@ from specter.config import LinkConfig, SamplingConfig, SlotConfig
 from specter.draft.loading import load_draft
 from specter.engine import Engine
 from specter.models.decode import LEAN_FAMILIES
+from specter.plan import make_policy
 from specter.proposer import LocalProposer
 from specter.request import BatchRequest
 from specter.target import OffloadedTarget
@@ -341,5 +342,8 @@ def test_bad_requests_and_drafting_policies_are_refused_by_name(tiny_dir):
     try:
         with pytest.raises(ValueError, match="give the draft model"):
             Batcher(drafting)
+        other = make_policy("specter+last").new_window_chooser().state()  # drafts one more forward a round
+        with pytest.raises(ValueError, match="route_last"):
+            Batcher(drafting, draft=load_draft(folder, device="cpu", mode="dequant-cache"), choosers={2: other})
     finally:
         drafting.close()

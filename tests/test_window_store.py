@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from specter.assets import DEFAULT_DRAFT
 from specter.cli import main
 from specter.plan import make_policy, window_store
 from specter.plan.window import WindowChooser
@@ -149,3 +150,56 @@ def test_a_damaged_or_unwritable_cache_costs_a_warning_not_the_run(capsys, tmp_p
     blocked.write_text("")
     again, err = _generate(capsys, ["--policy", "specter", "--chooser-cache", str(blocked / "choosers")])
     assert "could not keep the K chooser in" in err and again["tokens"] == first["tokens"]
+
+
+def test_a_servers_choosers_are_kept_by_drafting_count_and_a_bad_record_is_named(tmp_path):
+    """``specter serve``'s record: a chooser state per number of requests drafting together, and the
+    requests served with them; read back field by field, and refused by name where it is not one."""
+    setup = {"policy": "specter", "server": True}
+    path = window_store.path_for(tmp_path, setup)
+    assert window_store.load_server(path, setup) is None
+    states = {}
+    for n, seed in ((1, 0), (3, 1)):
+        chooser = WindowChooser()
+        _request(chooser, random.Random(seed))
+        states[n] = chooser.state()
+    window_store.save_server(path, setup, states, 12)
+    kept, requests = window_store.load_server(path, setup)
+    assert requests == 12 and sorted(kept) == [1, 3]
+    assert all(WindowChooser.from_state(kept[n]).state() == WindowChooser.from_state(states[n]).state() for n in kept)
+    window_store.save(path, setup, states[1])  # a generate run's record where a server's is looked for
+    with pytest.raises(ValueError, match="no server's choosers"):
+        window_store.load_server(path, setup)
+    record = json.loads(json.dumps({"setup": setup, "choosers": {"0": states[1]}, "requests": 1}))
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="expected keys 1, 2"):
+        window_store.load_server(path, setup)
+    record["choosers"] = {"2": states[1] | {"tried": "many"}}
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="tried"):
+        window_store.load_server(path, setup)
+
+
+def test_serve_names_a_damaged_record_and_starts_fresh(tmp_path, capsys):
+    """The command line's side of a server's kept choosers (no server started): the setup leaves out
+    what moves no round's cost (port, key, queue), a damaged file costs one warning naming it."""
+    from specter.cli.args import build_parser
+    from specter.cli.commands import _KeptChoosers
+
+    def kept(*flags: str) -> _KeptChoosers:
+        args = build_parser().parse_args(["serve", "--policy", "specter", "--chooser-cache", str(tmp_path), *flags])
+        args.draft = str(DEFAULT_DRAFT)
+        return _KeptChoosers(args, 32)
+
+    first = kept()
+    assert first.states == {} and first.requests == 0 and first.path is not None
+    assert kept("--port", "9001", "--api-key", "k" * 20, "--max-queue", "3").path == first.path
+    assert kept("--max-batch", "4").path != first.path and kept("--budget", "0.3").path != first.path
+    first.save({"choosers": {1: WindowChooser(cache_arm=False).state()}, "requests": 5})
+    again = kept()
+    assert again.requests == 5 and list(again.states) == [1]
+    again.save({"choosers": again.states, "requests": 2})  # the requests add up over servers
+    assert kept().requests == 7
+    first.path.write_text("{broken")
+    assert kept().states == {}
+    assert f"starting fresh K choosers: {first.path} is not JSON" in capsys.readouterr().err

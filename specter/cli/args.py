@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_chooser_cache(command: argparse.ArgumentParser) -> None:
     command.add_argument("--chooser-cache", default=None, metavar="DIR",
-                         help="where a drafting run keeps its K chooser for the next run of the same setup, and "
-                              "starts from the last one's (speed only: greedy output is the same for every K); "
+                         help="where a drafting run (or server) keeps its K chooser for the next one of the same "
+                              "setup, and starts from the last one's (speed only: greedy output is the same for every K); "
                               "'none': always start fresh (default: $SPECTER_CHOOSER_CACHE, else "
                               "~/.cache/specter/choosers; specter/plan/window_store.py)")
 
@@ -309,6 +309,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                        help="largest request body, e.g. 1MiB (default); larger ones get 413 before they are read")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
+    _add_chooser_cache(serve)
     serve.add_argument("--address", default="local",
                        help="'local' (start a local Ray, the default), 'auto' (the running cluster from "
                             "`ray start --head`) or HOST:PORT")

@@ -147,34 +147,51 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-class _KeptChooser:
-    """The K chooser ``generate`` keeps between runs of one setup (``specter/plan/window_store.py``):
-    ``state`` to start from (``{}``: none kept, or ``--chooser-cache none``), ``save`` after the run."""
+_SETUP_IGNORED = (  # flags that move no round's cost nor how often the draft is right
+    "command", "verbose", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "json",
+    "connect_timeout", "chooser_cache",
+    "input", "out", "on_bad_line", "request_timeout", "retries", "timeout", "num_cpus",  # batch's
+    "host", "port", "served_model_name", "api_key", "max_queue", "max_body", "chat_template",  # serve's
+)
 
-    IGNORED = ("command", "verbose", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k",
-               "seed", "json", "connect_timeout", "chooser_cache",  # what moves no round's cost; batch's:
-               "input", "out", "on_bad_line", "request_timeout", "retries", "timeout", "num_cpus")
+
+def _chooser_file(args: argparse.Namespace, window: int, **setup: Any) -> tuple[Path, dict[str, Any]] | None:
+    """Where the K chooser of this run's setup is kept, and the setup (``specter/plan/window_store.py``):
+    the flags but ``_SETUP_IGNORED``, the model's and draft's folders and configs, the window cap, the
+    device, threads and versions, and ``setup``; None with ``--chooser-cache none``."""
+    from specter import __version__
+    from specter.plan import window_store
+
+    directory = args.chooser_cache or window_store.default_dir()
+    if directory == window_store.OFF:
+        return None
+    model, draft = resolve_model_dir(args.model), resolve_model_dir(args.draft)
+    cuda = _on_cuda(args)
+    setup = {k: v for k, v in sorted(vars(args).items()) if k not in _SETUP_IGNORED} | setup
+    setup.update(
+        model=str(model.resolve()), model_config=read_config_dict(model), draft=str(draft.resolve()),
+        draft_config=read_config_dict(draft), window=window,
+        device_name=torch.cuda.get_device_name(getattr(args, "device", None)) if cuda else "cpu",
+        threads=compute_threads(getattr(args, "threads", None)), version=__version__, torch=torch.__version__,
+    )
+    setup = json.loads(json.dumps(setup, default=str))
+    return window_store.path_for(directory, setup), setup
+
+
+class _KeptChooser:
+    """The K chooser ``generate`` and ``batch`` keep between runs of one setup
+    (``specter/plan/window_store.py``): ``state`` to start from (``{}``: none kept, or ``--chooser-cache
+    none``), ``save`` after the run."""
 
     def __init__(self, args: argparse.Namespace, window: int, sampling: SamplingConfig):
-        from specter import __version__
         from specter.plan import window_store
 
-        self.path = None
         self.state: dict[str, Any] = {}
-        directory = args.chooser_cache or window_store.default_dir()
-        if directory == window_store.OFF:
+        where = _chooser_file(args, window, sampled=not sampling.greedy)
+        self.path: Path | None = where[0] if where else None
+        self.setup: dict[str, Any] = where[1] if where else {}
+        if self.path is None:
             return
-        setup = {k: v for k, v in sorted(vars(args).items()) if k not in self.IGNORED}
-        model, draft = resolve_model_dir(args.model), resolve_model_dir(args.draft)
-        cuda = _on_cuda(args)
-        setup.update(
-            model=str(model.resolve()), model_config=read_config_dict(model), draft=str(draft.resolve()),
-            draft_config=read_config_dict(draft), window=window, sampled=not sampling.greedy,
-            device_name=torch.cuda.get_device_name(getattr(args, "device", None)) if cuda else "cpu",
-            threads=compute_threads(getattr(args, "threads", None)), version=__version__, torch=torch.__version__,
-        )
-        self.setup = json.loads(json.dumps(setup, default=str))
-        self.path = window_store.path_for(directory, self.setup)
         try:
             state = window_store.load(self.path, self.setup)
             if state is not None:  # one of this policy's kind, or a warning now rather than an error later
@@ -193,6 +210,43 @@ class _KeptChooser:
             window_store.save(self.path, self.setup, state)
         except OSError as exc:
             print(f"specter: could not keep the K chooser in {self.path}: {exc.strerror}", file=sys.stderr)
+
+
+class _KeptChoosers:
+    """The K choosers ``serve`` keeps between servers of one setup (its requests sampled or not, each as
+    it asks): ``states`` to start from, by requests drafting together (``{}``: none kept), ``requests``
+    the servers before served with them; ``save`` takes the replica's ``SpecterServer.kept``
+    (``actors/serve.py``), every minute and on the way out."""
+
+    def __init__(self, args: argparse.Namespace, window: int):
+        from specter.plan import window_store
+
+        self.states: dict[int, dict[str, Any]] = {}
+        self.requests = 0
+        where = _chooser_file(args, window, sampled="per request", server=True)
+        self.path: Path | None = where[0] if where else None
+        self.setup: dict[str, Any] = where[1] if where else {}
+        if self.path is None:
+            return
+        try:
+            kept = window_store.load_server(self.path, self.setup)
+            policy = make_policy(args.policy)
+            for state in (kept or ({}, 0))[0].values():  # of this policy's kind, or a warning now
+                policy.window_chooser_from(state)
+        except ValueError as exc:
+            print(f"specter: starting fresh K choosers: {exc}", file=sys.stderr)
+            return
+        self.states, self.requests = kept or ({}, 0)
+
+    def save(self, kept: dict[str, Any]) -> None:
+        from specter.plan import window_store
+
+        if self.path is None or not kept["choosers"]:
+            return
+        try:
+            window_store.save_server(self.path, self.setup, kept["choosers"], self.requests + kept["requests"])
+        except OSError as exc:
+            print(f"specter: could not keep the K choosers in {self.path}: {exc.strerror}", file=sys.stderr)
 
 
 def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -322,6 +376,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.budget or SlotConfig(fraction=0.5), link, args.served_model_name, api_key,
         args.max_queue, args.max_body, template, args.timeout, profile, args.max_batch,
     )
+    policy = make_policy(args.policy)
+    kept = _KeptChoosers(args, policy.default_window) if policy.adaptive_window else None
+    if kept is not None and kept.states:
+        options = replace(options, choosers=kept.states)
     check_local_gpu(args.address, link)
     init_ray(args.address, args.num_cpus, args.connect_timeout)
     if link is not None and link.kind == "cuda":  # told here: past this, it would fail inside Serve's replica
@@ -332,11 +390,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise
 
     def ready(url: str) -> None:
-        print(f"specter: serving {options.name!r} at {url}/v1 (policy {args.policy}; Ctrl-C stops)", file=sys.stderr,
-              flush=True)
+        chooser = f", K choosers kept from {kept.requests} earlier request(s)" if kept and kept.states else ""
+        print(f"specter: serving {options.name!r} at {url}/v1 (policy {args.policy}{chooser}; Ctrl-C stops)",
+              file=sys.stderr, flush=True)
 
     try:
-        run(options, args.host, args.port, ready)
+        run(options, args.host, args.port, ready, keep=kept.save if kept is not None and kept.path else None)
     finally:
         ray.shutdown()
     return 0

@@ -114,6 +114,8 @@ class VerifierRole:
         # K choosers by (policy, pipelined): what a chooser measured survives a rebuild (the schedule
         # moved) and is not mixed between the two modes (a round drafted ahead costs no drafting)
         self._choosers: dict[tuple[str, bool], WindowChooser] = {}
+        # the batcher's K choosers' states to go on from (``keep_choosers``; a rebuilt batcher's), for a policy
+        self._kept: tuple[str, dict[int, dict[str, Any]]] | None = None
 
     def connect(self, slots_json: str, transfer_endpoint: str, draft_endpoint: str | None,
                 layout: dict[str, Any] | None = None) -> int:
@@ -283,13 +285,52 @@ class VerifierRole:
         """How many streams the engine decodes at once (1: one at a time)."""
         return self.max_batch if self.batches() else 1
 
+    def keep_choosers(self, states: dict[int, dict[str, Any]]) -> None:
+        """Start the streams' K choosers from ``states`` (``chooser_states``' of an earlier server with the
+        same setup), by the number of requests drafting together; batched streams take them all, streams
+        run one at a time the state of 1. A chooser that has measured rounds here already stays as it is.
+        Nothing to do for a policy that does not adapt K.
+
+        Raises:
+            ValueError: a state is no chooser's of this policy's kind (checked before any is kept)."""
+        policy = make_policy(self.policy_name)
+        if policy.window_chooser() is None:
+            return
+        checked = {int(n): policy.window_chooser_from(state) for n, state in states.items()}
+        with self._engine_lock:
+            if self.batches():
+                batcher = self._batcher
+                if batcher is not None and batcher.choosers is not None:
+                    for n, chooser in checked.items():
+                        if n not in batcher.choosers or not batcher.choosers[n].verify_s:
+                            batcher.choosers[n] = chooser
+                self._kept = (self.policy_name, {n: c.state() for n, c in checked.items()})
+            elif 1 in checked:
+                key = (self.policy_name, PIPELINED)
+                if key not in self._choosers or not self._choosers[key].requests:
+                    self._choosers[key] = checked[1]
+
+    def chooser_states(self) -> dict[int, dict[str, Any]]:
+        """The streams' K choosers' states (``WindowChooser.state``'s) by the number of requests drafting
+        together — the batcher's that have measured a round or were kept, or the one-at-a-time streams'
+        as 1 — for ``keep_choosers`` of a later server; empty for a policy that does not adapt K.
+        Answers between steps."""
+        with self._engine_lock:
+            if self.batches():
+                if self._batcher is not None:
+                    return self._batcher.chooser_states()
+                return dict(self._kept[1]) if self._kept and self._kept[0] == self.policy_name else {}
+            chooser = self._choosers.get((self.policy_name, PIPELINED))
+            return {1: chooser.state()} if chooser is not None and chooser.verify_s else {}
+
     def _batched(self) -> Batcher:
         """The batcher of the current target, and the thread that steps it (started on first use)."""
         with self._lock:
             if self._batcher is None:
                 assert self.target is not None, "connect() first"
                 drafter = self.drafter if drafts(self.policy_name) else None
-                self._batcher = Batcher(self.target, self.max_batch, drafter=drafter)
+                kept = self._kept[1] if self._kept and self._kept[0] == self.policy_name else None
+                self._batcher = Batcher(self.target, self.max_batch, drafter=drafter, choosers=kept)
                 self._batching_stop.clear()
                 self._batching = threading.Thread(target=self._batcher.serve, args=(self._batching_stop,
                                                   self._engine_lock), name="batcher", daemon=True)
@@ -306,6 +347,8 @@ class VerifierRole:
         if thread is not threading.current_thread():
             thread.join()
         batcher.abandon(RuntimeError("the verifier rebuilt its target (another policy or schedule, or closing)"))
+        if batcher.choosers:  # what its choosers learnt goes on in the next batcher of this policy
+            self._kept = (self.policy_name, batcher.chooser_states())
         self._batcher = self._batching = None
 
     def cancel(self, request_id: str) -> None:

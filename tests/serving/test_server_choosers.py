@@ -1,0 +1,86 @@
+"""``specter serve --policy specter`` keeps its K choosers between runs: a server stopped with Ctrl-C
+leaves its batcher's choosers (one per number of requests drafting together) in ``--chooser-cache``,
+and the next server of the same setup starts from them, says so, and answers with the same text."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def", "for i in range(10):"]
+START_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(cache: Path, log_path: Path) -> tuple[list[str], str]:
+    """One server's life: start it, complete the four prompts at once (greedy), Ctrl-C; its texts and log."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--policy", "specter", "--port",
+                                 str(port), "--chooser-cache", str(cache)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + START_S
+            while True:
+                assert proc.poll() is None, f"specter serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"not up in {START_S} s:\n{log_path.read_text()[-3000:]}"
+                time.sleep(1.0)
+
+            def complete(prompt: str) -> str:
+                body = {"model": "moe-fine", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+                return str(httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"])
+
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                texts = list(pool.map(complete, PROMPTS))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
+    text = log_path.read_text()
+    assert code == 0, f"Ctrl-C ended specter serve with {code}:\n{text[-3000:]}"
+    assert "Traceback" not in text, text[-3000:]
+    return texts, text
+
+
+def test_a_restarted_server_starts_from_the_choosers_the_last_one_kept(tmp_path):
+    cache = tmp_path / "choosers"
+    first, log = _serve(cache, tmp_path / "first.log")
+    assert "K choosers kept" not in log
+    [kept_file] = list(cache.iterdir())
+    record = json.loads(kept_file.read_text())
+    assert record["requests"] == len(PROMPTS) and record["setup"]["server"] is True
+    assert record["choosers"] and all(int(n) >= 1 for n in record["choosers"])
+    samples = {n: sum(state["samples"].values()) for n, state in record["choosers"].items()}
+
+    second, log = _serve(cache, tmp_path / "second.log")
+    assert f"K choosers kept from {len(PROMPTS)} earlier request(s)" in log
+    assert second == first  # greedy: the same text whatever K the choosers play
+    record = json.loads(kept_file.read_text())
+    assert record["requests"] == 2 * len(PROMPTS)
+    for n, count in samples.items():  # the second server went on from the first one's choosers
+        assert sum(record["choosers"][n]["samples"].values()) >= count
+    assert list(cache.iterdir()) == [kept_file]  # the same setup, the same file

@@ -10,11 +10,13 @@ for more than a few tokens' worth of work a step — on an offloaded model a pro
 most experts, and a whole prompt in one pass would hold the link for many steps. A step feeds at most
 ``prefill_chunk`` prompt tokens in all: several waiting requests join the same step while their whole
 prompts fit in that (short prompts need not queue a step each), a longer one only when no other
-prompt is being fed. A step whose requests draft more tokens than that feeds a prompt as many: a
-round of K drafted by n requests already verifies n·(K + 1) positions, and with the K a kept chooser
-plays on a draft that leads (~20) requests finish in a few rounds — at 16 prompt tokens a round the
-next prompts queued behind one another and the batch emptied (``docs/serving.md``, "A server's
-steady state"). A finished or cancelled request leaves at once, its cache dropped.
+prompt is being fed. Where the rounds draft more tokens than ``prefill_chunk``, the chunk is as many:
+a step feeds a prompt as many tokens as its rounds draft, and waiting prompts join while they fit in
+the draft tokens of the step before. A round of K drafted by n requests already verifies n·(K + 1)
+positions, and with the K a server's choosers settle on where the draft leads (~20) requests finish
+in a few rounds: at 16 prompt tokens a step, one prompt joining at a time, the next prompts queued
+behind one another and the batch emptied (``docs/serving.md``, "A server's steady state"). A finished
+or cancelled request leaves at once, its cache dropped.
 
 With a draft (a drafting policy such as ``specter``), each step is a speculative round for every
 decoding request: each request's own draft (a ``LocalProposer``: its own draft cache and generator,
@@ -63,8 +65,8 @@ class Batcher:
     Args:
         target: the offloaded target (its lean step: mixtral, qwen2_moe, qwen3_moe).
         max_batch: requests decoded together at most; more wait in arrival order.
-        prefill_chunk: prompt tokens a step feeds at most, over every joining request (or, where a
-            round drafts more tokens, as many as it drafts).
+        prefill_chunk: prompt tokens a step feeds at most, over every joining request (or, where the
+            rounds draft more tokens, as many as they draft).
         draft: the draft model (``DraftModel``) for a drafting policy's speculative rounds.
         drafter: instead of ``draft``, what drafts them (``BatchDrafter``: the draft process's).
         window: K, draft tokens per round (default: the policy's); an adaptive policy's per-round
@@ -112,6 +114,7 @@ class Batcher:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
         self.steps = 0
+        self._drafted = 0  # draft tokens of the last step (what a joining prompt keeps pace with)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
 
@@ -143,17 +146,18 @@ class Batcher:
 
     def _joining(self) -> list[BatchRequest]:
         """The waiting requests that join this step, in arrival order (the lock held): while there is
-        room, and the step's prompt tokens stay within ``prefill_chunk`` — the first one when no prompt
-        is being fed (a long one fed a chunk a step), more while their whole prompts fit in what is left."""
-        budget = self.prefill_chunk - sum(min(len(r.prompt_ids) - r.fed, self.prefill_chunk)
-                                          for r in self.running if r.fed < len(r.prompt_ids))
+        room, and the step's prompt tokens stay within a chunk (``prefill_chunk``, or the last step's draft
+        tokens where more) — the first one when no prompt is being fed (a long one fed a chunk a step),
+        more while their whole prompts fit in what is left."""
+        chunk = max(self.prefill_chunk, self._drafted)
+        budget = chunk - sum(min(len(r.prompt_ids) - r.fed, chunk) for r in self.running if r.fed < len(r.prompt_ids))
         joining: list[BatchRequest] = []
         while self.waiting and len(self.running) + len(joining) < self.max_batch:
             prompt = len(self.waiting[0].prompt_ids)
-            if prompt > budget and (joining or budget < self.prefill_chunk):
+            if prompt > budget and (joining or budget < chunk):
                 break
             joining.append(self.waiting.popleft())
-            budget -= min(prompt, self.prefill_chunk)
+            budget -= min(prompt, chunk)
         return joining
 
     def serve(self, stop: threading.Event, lock: Any = None) -> None:
@@ -238,6 +242,7 @@ class Batcher:
             self.policy.on_plan, self.policy.route_last_draft), strict=True)) if drafting else {}
         rows: list[tuple[list[int], list[int], list[Any]]] = []
         chunk = max(self.prefill_chunk, sum(ks))  # a prompt keeps pace with the round's draft tokens
+        self._drafted = sum(ks)
         for i, request in enumerate(batch):
             if request.fed < len(request.prompt_ids):
                 rows.append((request.prompt_ids[request.fed:request.fed + chunk], [], []))

@@ -253,6 +253,30 @@ def test_a_joining_prompt_keeps_pace_with_the_rounds_draft_tokens(tiny_dir):
     assert positions[:5] == [[5, 4]] * 5  # the running request's round of 4 beside 4 prompt tokens, not 3
 
 
+def test_prompts_join_together_while_they_fit_in_the_last_rounds_draft_tokens(tiny_dir):
+    """Waiting prompts join one step while their whole prompts fit in ``prefill_chunk`` or, where more,
+    in the draft tokens of the step before: two prompts of 2 join beside a round of 4 (a chunk of 3
+    would take one a step), and every request's tokens stay those it makes alone."""
+    folder = tiny_dir("qwen2_moe")
+    draft = load_draft(folder, device="cpu", mode="dequant-cache")
+    target = _target(folder, budget=0.25, policy="specter+fixed")
+    short = [[7, 7], [120, 4]]
+    try:
+        alone = [Engine(target).generate(p, n)[0] for p, n in ((PROMPTS[0], 30), (short[0], 6), (short[1], 6))]
+        batcher = Batcher(target, max_batch=3, prefill_chunk=3, draft=draft, window=4)
+        running = batcher.submit(BatchRequest(PROMPTS[0], 30))
+        while not running.ks:  # until it has drafted a round of 4
+            batcher.step()
+        joining = [batcher.submit(BatchRequest(p, 6)) for p in short]
+        positions = _positions_per_pass(target)
+        while batcher.step():
+            pass
+    finally:
+        target.close()
+    assert [r.result(0)[0] for r in (running, *joining)] == alone
+    assert positions[0] == [5, 2, 2]  # both prompts in the step after a round of 4 drafts
+
+
 def test_short_prompts_join_together_and_a_step_never_feeds_more_than_a_chunk(tiny_dir):
     """Waiting requests join the same step while their whole prompts fit in one ``prefill_chunk``; a
     longer prompt joins only when no other is being fed, and is fed a chunk a step."""

@@ -367,3 +367,29 @@ def test_a_writer_killed_while_adding_does_not_hang_a_reader() -> None:
         assert TORN_WAIT_S <= time.perf_counter() - t0 < 10
     finally:
         counters.close()
+
+
+def test_a_roles_process_exits_quietly_from_a_finalizer_and_reports_any_other_error():
+    """Ray's SIGTERM handler raises SystemExit wherever the main thread is; in a role's process, one
+    raised inside a finalizer (a segment's ``__del__`` while the actor is killed) is the exit asked for
+    and prints nothing, where Python printed a traceback. Another error in a finalizer is still shown."""
+    code = """
+import gc
+from specter.remote.roles.base import setup_process
+
+class Dies:
+    def __init__(self, error):
+        self.error = error
+    def __del__(self):
+        raise self.error
+
+setup_process()
+Dies(SystemExit(1))
+Dies(ValueError("a real one"))
+gc.collect()
+print("still running")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "still running", out.stderr
+    assert "SystemExit" not in out.stderr
+    assert "Exception ignored in" in out.stderr and "ValueError: a real one" in out.stderr

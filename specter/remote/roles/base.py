@@ -12,6 +12,7 @@ replica as plain classes: the Ray actors (``actors/``) are thin shells around th
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Protocol
 
 import torch
@@ -61,9 +62,24 @@ class NoMetrics:
 
 
 def setup_process(threads: int = 1) -> None:
-    """One compute thread per role (as the in-process tests run), INFO logging."""
+    """One compute thread per role (as the in-process tests run), INFO logging, and no traceback for an
+    exit that lands in a finalizer (``quiet_exit_in_finalizers``)."""
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.unraisablehook = quiet_exit_in_finalizers
+
+
+def quiet_exit_in_finalizers(unraisable: Any) -> None:
+    """``sys.unraisablehook`` for a role's process: a ``SystemExit`` raised inside a finalizer is the
+    exit the process was asked for, and passes silently; anything else is reported as Python does.
+
+    Ray's SIGTERM handler raises ``SystemExit`` wherever the main thread is. When ``ray.kill`` ends an
+    actor whose interpreter is already tearing down (shared-memory segments' ``__del__`` running), it
+    lands in one and Python printed "Exception ignored in ... SystemExit: 1" with a traceback into the
+    driver's log (seen at ``specter serve``'s Ctrl-C under CI load, 2026-12-07)."""
+    if isinstance(unraisable.exc_value, SystemExit):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def compute_dtype(device: torch.device | None = None, dtype: torch.dtype | None = None) -> torch.dtype | None:

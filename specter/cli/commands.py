@@ -155,16 +155,16 @@ _SETUP_IGNORED = (  # flags that move no round's cost nor how often the draft is
 )
 
 
-def _chooser_file(args: argparse.Namespace, window: int, **setup: Any) -> tuple[Path, dict[str, Any]] | None:
+def _chooser_file(args: argparse.Namespace, window: int, **setup: Any) -> tuple[Path | None, dict[str, Any]]:
     """Where the K chooser of this run's setup is kept, and the setup (``specter/plan/window_store.py``):
     the flags but ``_SETUP_IGNORED``, the model's and draft's folders and configs, the window cap, the
-    device, threads and versions, and ``setup``; None with ``--chooser-cache none``."""
+    device, threads and versions, and ``setup``; ``(None, {})`` with ``--chooser-cache none``."""
     from specter import __version__
     from specter.plan import window_store
 
     directory = args.chooser_cache or window_store.default_dir()
     if directory == window_store.OFF:
-        return None
+        return None, {}
     model, draft = resolve_model_dir(args.model), resolve_model_dir(args.draft)
     cuda = _on_cuda(args)
     setup = {k: v for k, v in sorted(vars(args).items()) if k not in _SETUP_IGNORED} | setup
@@ -187,9 +187,7 @@ class _KeptChooser:
         from specter.plan import window_store
 
         self.state: dict[str, Any] = {}
-        where = _chooser_file(args, window, sampled=not sampling.greedy)
-        self.path: Path | None = where[0] if where else None
-        self.setup: dict[str, Any] = where[1] if where else {}
+        self.path, self.setup = _chooser_file(args, window, sampled=not sampling.greedy)
         if self.path is None:
             return
         try:
@@ -223,9 +221,7 @@ class _KeptChoosers:
 
         self.states: dict[int, dict[str, Any]] = {}
         self.requests = 0
-        where = _chooser_file(args, window, sampled="per request", server=True)
-        self.path: Path | None = where[0] if where else None
-        self.setup: dict[str, Any] = where[1] if where else {}
+        self.path, self.setup = _chooser_file(args, window, sampled="per request", server=True)
         if self.path is None:
             return
         try:

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serve_process import serving
 
 from specter.assets import DEFAULT_MODEL
 from specter.cli import main as specter_main
@@ -28,56 +25,18 @@ MAX_QUEUE = 8
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def", "for i in range(10):"]
-START_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``specter serve`` as a subprocess: yields its base URL; stopped with SIGINT (Ctrl-C) at the end."""
+    """``specter serve`` as a subprocess: yields its base URL, port and process; stopped with SIGINT
+    (Ctrl-C) at the end, which must end it with 0 and no traceback."""
     folder = tmp_path_factory.mktemp("serve")
     template = folder / "chat.jinja"
     template.write_text(TEMPLATE)
-    port = _free_port()
-    log = open(folder / "serve.log", "w")  # noqa: SIM115 (closed below)
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specter.cli", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-queue", str(MAX_QUEUE), "--chat-template", str(template), "--max-body", "64KiB"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specter serve exited with {proc.returncode}:\n"
-                                   f"{(folder / 'serve.log').read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"specter serve not up in {START_S} s:\n{(folder / 'serve.log').read_text()[-4000:]}")
-            time.sleep(1.0)
-        yield url, port, proc
-    finally:
-        proc.send_signal(2)  # Ctrl-C
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
-        log.close()
-        text = (folder / "serve.log").read_text()
-        assert code == 0, f"Ctrl-C ended specter serve with {code}:\n{text[-3000:]}"
-        assert "Traceback" not in text, text[-3000:]
+    with serving(["--api-key", KEY, "--max-queue", str(MAX_QUEUE), "--chat-template", str(template),
+                  "--max-body", "64KiB"], folder / "serve.log") as running:
+        yield running
 
 
 def _client(url: str, **options) -> openai.OpenAI:

@@ -6,64 +6,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
+from serve_process import serving
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def", "for i in range(10):"]
-START_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(cache: Path, log_path: Path) -> tuple[list[str], str]:
     """One server's life: start it, complete the four prompts at once (greedy), Ctrl-C; its texts and log."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--policy", "specter", "--port",
-                                 str(port), "--chooser-cache", str(cache)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_S
-            while True:
-                assert proc.poll() is None, f"specter serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, f"not up in {START_S} s:\n{log_path.read_text()[-3000:]}"
-                time.sleep(1.0)
+    with serving(["--policy", "specter", "--chooser-cache", str(cache)], log_path) as (url, _, _):
 
-            def complete(prompt: str) -> str:
-                body = {"model": "moe-fine", "prompt": prompt, "max_tokens": 24, "temperature": 0}
-                return str(httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"])
+        def complete(prompt: str) -> str:
+            body = {"model": "moe-fine", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            return str(httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"])
 
-            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-                texts = list(pool.map(complete, PROMPTS))
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                code = proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = None
-    text = log_path.read_text()
-    assert code == 0, f"Ctrl-C ended specter serve with {code}:\n{text[-3000:]}"
-    assert "Traceback" not in text, text[-3000:]
-    return texts, text
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(complete, PROMPTS))
+    return texts, log_path.read_text()
 
 
 def test_a_restarted_server_starts_from_the_choosers_the_last_one_kept(tmp_path):

@@ -1,0 +1,60 @@
+"""``specter serve`` as a subprocess on loopback, as a user starts and stops it (the serving tests')."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+START_S = 300  # a server's start on a loaded two-core machine (a local Ray, Serve, the three actors)
+STOP_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(flags: list[str], log_path: Path) -> Iterator[tuple[str, int, subprocess.Popen]]:
+    """``specter serve --port P FLAGS`` until it answers ``/health``: yields its URL, port and process;
+    then Ctrl-C, which must end it with 0 and no traceback in its log (``log_path``)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--port", str(port), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + START_S
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"specter serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"specter serve not up in {START_S} s:\n{log_path.read_text()[-4000:]}")
+                time.sleep(1.0)
+            yield url, port, proc
+        finally:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C
+            try:
+                code = proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
+    text = log_path.read_text()
+    assert code == 0, f"Ctrl-C ended specter serve with {code}:\n{text[-3000:]}"
+    assert "Traceback" not in text, text[-3000:]

@@ -4,7 +4,9 @@ Each replica (a trio of actors, ``actors.launcher.launch``) holds at most one re
 replica never holds the others back. A request that fails because of its input (the verifier
 raises ``ValueError``) is recorded in the errors file; one that fails because a replica broke (an
 actor died, a peer went silent past its timeout, the request ran past ``request_timeout_s``) gets
-the replica torn down and relaunched and is retried, up to ``retries`` times.
+the replica torn down and relaunched and is retried, up to ``retries`` times. Ctrl-C stops the loop
+within its wait (``interrupts``): the running requests are given up with their replicas, and the
+report says so (``interrupted``, ``left``, ``running``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ray
 from actors.launcher import EngineHandle, cluster_link, launch
 from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
-from specter.eval.jobs import BatchItem, Progress, ResultsFile, append_error
+from specter.eval.jobs import BatchItem, Progress, ResultsFile, append_error, interrupts
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class BatchReport:
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
     chooser: dict[str, Any] | None = None  # the K chooser's state of most requests (``BatchOptions.chooser``)
+    interrupted: bool = False  # Ctrl-C stopped the run
+    left: int = 0  # prompts not run when it stopped, the running ones included
+    running: int = 0  # of them, those given up while running
 
 
 @dataclass
@@ -96,40 +101,45 @@ def run_batch(
     replicas = [_Replica(f"r{i}", placement) for i, placement in enumerate(spread(options.replicas, link))]
     try:
         replicas = _start_all(replicas, options, launcher)
-        while todo or any(r.busy for r in replicas):
-            driver.set("specter_queue_depth", len(todo))
-            for replica in replicas:
-                if replica.busy is None and todo:
-                    item, attempt = todo.popleft()
-                    _submit(replica, item, attempt, options, encode, report, out, driver, progress)
-            busy = {r.busy[0]: r for r in replicas if r.busy is not None}
-            if not busy:
-                continue
-            ready, _ = ray.wait(list(busy), num_returns=1, timeout=1.0)
-            for ref in ready:
-                _collect(
-                    busy[ref],
-                    options,
-                    results,
-                    out,
-                    decode,
-                    report,
-                    todo,
-                    driver,
-                    progress,
-                    launcher,
-                    on_result,
-                )
-            for replica in _overdue(replicas, options.request_timeout_s):
-                assert replica.busy is not None
-                _, item, attempt, _ = replica.busy
-                error = TimeoutError(f"request {item.id!r} ran past --request-timeout {options.request_timeout_s:.0f}s")
-                _fault(replica, item, attempt, error, options, out, report, todo, driver, progress, launcher)
+        with interrupts() as stop:
+            while (todo or any(r.busy for r in replicas)) and not stop.is_set():
+                driver.set("specter_queue_depth", len(todo))
+                for replica in replicas:
+                    if replica.busy is None and todo:
+                        item, attempt = todo.popleft()
+                        _submit(replica, item, attempt, options, encode, report, out, driver, progress)
+                busy = {r.busy[0]: r for r in replicas if r.busy is not None}
+                if not busy:
+                    continue
+                ready, _ = ray.wait(list(busy), num_returns=1, timeout=1.0)
+                for ref in ready:
+                    _collect(
+                        busy[ref],
+                        options,
+                        results,
+                        out,
+                        decode,
+                        report,
+                        todo,
+                        driver,
+                        progress,
+                        launcher,
+                        on_result,
+                    )
+                for replica in _overdue(replicas, options.request_timeout_s):
+                    assert replica.busy is not None
+                    _, item, attempt, _ = replica.busy
+                    error = TimeoutError(
+                        f"request {item.id!r} ran past --request-timeout {options.request_timeout_s:.0f}s")
+                    _fault(replica, item, attempt, error, options, out, report, todo, driver, progress, launcher)
+            running = sum(r.busy is not None for r in replicas)
+            if todo or running:  # Ctrl-C (``stop``): what still runs is given up with its replica (``finally``)
+                report.interrupted, report.running, report.left = True, running, len(todo) + running
         driver.set("specter_queue_depth", 0)
     finally:
         for replica in replicas:
-            if replica.handle is not None:
-                replica.handle.shutdown()
+            if replica.handle is not None:  # one still running a request (Ctrl-C) is killed, not closed
+                replica.handle.shutdown(close=replica.busy is None)
     return report
 
 

@@ -52,10 +52,14 @@ class EngineHandle:
     policy: str
     names: list[str] = field(default_factory=list)
     closed: bool = False
+    cut_short: bool = False  # a request whose caller stopped waiting (Ctrl-C) may still run in the actors
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> dict[str, Any]:
         """``{"tokens", "stats"}`` for one prompt (``VerifierActor.generate``'s options)."""
-        return ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
+        self.cut_short = True
+        out = ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
+        self.cut_short = False
+        return out
 
     def prepare_steps(self, window: int) -> dict[str, int]:
         """Every step shape of windows up to ``window`` made ready before a request runs one, in the
@@ -70,18 +74,22 @@ class EngineHandle:
         """The transfer actor's link counters (control plane)."""
         return ray.get(self.transfer.counters.remote())
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Tear everything down; safe to call twice."""
+    def shutdown(self, timeout_s: float = 10.0, close: bool = True) -> None:
+        """Tear everything down; safe to call twice. Each actor is asked to ``close`` first unless
+        ``close`` is False or a request was cut short (``cut_short``: the actors are inside it, and
+        would answer once it is done): then they are killed at once, and what they held swept here."""
         if self.closed:
             return
         self.closed = True
+        close = close and not self.cut_short
         for actor in (self.verifier, self.draft, self.transfer):  # the verifier first: it says Shutdown
             if actor is None:
                 continue
-            try:
-                ray.get(actor.close.remote(), timeout=timeout_s)
-            except Exception as exc:  # a dead actor: its resources are swept below
-                log.warning("shutdown of %s: %s", self.replica, exc)
+            if close:
+                try:
+                    ray.get(actor.close.remote(), timeout=timeout_s)
+                except Exception as exc:  # a dead actor: its resources are swept below
+                    log.warning("shutdown of %s: %s", self.replica, exc)
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.pg)
         if os.path.isdir(self.ipc_dir):  # same node as the actors: sweep what a crash left

@@ -150,6 +150,8 @@ class SpecterServer:
 SHUTDOWN_POLL_S = 0.2  # how often a stopping replica looks whether its running requests are done
 KEEP_EVERY_S = 60.0  # how often ``run`` hands the replica's K choosers to ``keep`` (and once on the way out)
 KEEP_TIMEOUT_S = 30.0  # for the replica's answer (it waits for the running step)
+KEEP_STARTING_S = 2.0  # the same, stopped before ``serve.run`` said the application is up: a replica still
+# loading the model has nothing to keep (it answers /health a few seconds before ``serve.run`` returns)
 
 
 def deployment(options: ServeOptions) -> Any:
@@ -171,13 +173,26 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
     """Start Serve's proxy on ``host:port`` and the application (Ray must be initialized), then block
     until ``stop`` is set or SIGINT/SIGTERM arrives; delete the application on the way out.
 
+    SIGINT/SIGTERM before ``serve.run`` says the application is up (its replica loads the model:
+    minutes for a large one) raise ``KeyboardInterrupt`` there and then, and what was started is
+    deleted; once it is up they set ``stop``, and the running requests finish first (``deployment``).
+
     ``keep``: given, it is handed the replica's ``SpecterServer.kept`` every ``KEEP_EVERY_S`` and once
-    more before the application is deleted (``specter serve`` writes the K choosers to its store)."""
+    more before the application is deleted (``specter serve`` writes the K choosers to its store); when
+    stopped before it was up, only if the replica answers within ``KEEP_STARTING_S``."""
     stop = stop or threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    up = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if not up.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": host, "port": port}, detached=False)
         serve.run(deployment(options), name=APP_NAME, route_prefix="/", blocking=False)
+        up.set()
         url = f"http://{host}:{port}"
         if on_ready is not None:
             on_ready(url)
@@ -190,7 +205,7 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if keep is not None:
-            _keep(keep)
+            _keep(keep, KEEP_TIMEOUT_S if up.is_set() else KEEP_STARTING_S, quiet=not up.is_set())
         try:
             serve.delete(APP_NAME)
             serve.shutdown()
@@ -198,12 +213,13 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
             log.warning("serve shutdown: %s", exc)
 
 
-def _keep(keep: Callable[[dict[str, Any]], None]) -> None:
-    """Hand the replica's ``kept`` to ``keep``; a replica that cannot answer costs a warning."""
+def _keep(keep: Callable[[dict[str, Any]], None], timeout_s: float = KEEP_TIMEOUT_S, quiet: bool = False) -> None:
+    """Hand the replica's ``kept`` to ``keep``; a replica that cannot answer costs a warning (a debug
+    line where ``quiet``: stopped while starting, it may have nothing to keep)."""
     try:
-        kept = serve.get_app_handle(APP_NAME).kept.remote().result(timeout_s=KEEP_TIMEOUT_S)
+        kept = serve.get_app_handle(APP_NAME).kept.remote().result(timeout_s=timeout_s)
     except Exception as exc:  # the replica gone or not up: what the last call kept stands
-        log.warning("K choosers not kept: %s", exc)
+        (log.debug if quiet else log.warning)("K choosers not kept: %s", exc)
         return
     keep(kept)
 

@@ -7,23 +7,31 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from specter.remote.processes import ProcessEngine
 
 
-def kill_transfer_after(engine: ProcessEngine, transfers: int = 3, poll_s: float = 0.01) -> threading.Event:
-    """SIGKILL ``engine``'s transfer process, from a thread, once it has finished ``transfers`` more
-    transfers than now (experts moving for the request running then); the event is set after the kill."""
-    pid = engine.transfer.pid
-    assert pid is not None
-    killed = threading.Event()
+def after_transfers(engine: ProcessEngine, act: Callable[[], None], transfers: int = 3,
+                    poll_s: float = 0.01) -> threading.Event:
+    """``act()``, from a thread, once ``engine``'s transfer process has finished ``transfers`` more
+    transfers than now (experts moving for the request running then); the event is set after it."""
+    done = threading.Event()
 
-    def kill_inside() -> None:
+    def inside() -> None:
         start = engine.transfer.call("counters")["transfers"]
         while engine.transfer.call("counters")["transfers"] < start + transfers:
             time.sleep(poll_s)
-        os.kill(pid, signal.SIGKILL)
-        killed.set()
+        act()
+        done.set()
 
-    threading.Thread(target=kill_inside, daemon=True).start()
-    return killed
+    threading.Thread(target=inside, daemon=True).start()
+    return done
+
+
+def kill_transfer_after(engine: ProcessEngine, transfers: int = 3, poll_s: float = 0.01) -> threading.Event:
+    """SIGKILL ``engine``'s transfer process once it has finished ``transfers`` more transfers than now
+    (``after_transfers``); the event is set after the kill."""
+    pid = engine.transfer.pid
+    assert pid is not None
+    return after_transfers(engine, lambda: os.kill(pid, signal.SIGKILL), transfers, poll_s)

@@ -16,6 +16,7 @@ import httpx
 
 START_S = 300  # a server's start on a loaded two-core machine (a local Ray, Serve, the three actors)
 STOP_S = 90
+READY = "; Ctrl-C stops)"  # the end of the line ``specter serve`` prints once the application is up
 
 
 def free_port() -> int:
@@ -26,8 +27,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(flags: list[str], log_path: Path) -> Iterator[tuple[str, int, subprocess.Popen]]:
-    """``specter serve --port P FLAGS`` until it answers ``/health``: yields its URL, port and process;
-    then Ctrl-C, which must end it with 0 and no traceback in its log (``log_path``)."""
+    """``specter serve --port P FLAGS`` until it answers ``/health`` and has said it is serving (the
+    ready line: a Ctrl-C before it stops a server still starting, with 130): yields its URL, port and
+    process; then Ctrl-C, which must end it with 0 and no traceback in its log (``log_path``)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
     with open(log_path, "w") as log:
@@ -40,7 +42,7 @@ def serving(flags: list[str], log_path: Path) -> Iterator[tuple[str, int, subpro
                 if proc.poll() is not None:
                     raise RuntimeError(f"specter serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
                 try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200 and READY in log_path.read_text():
                         break
                 except httpx.HTTPError:
                     pass

@@ -84,6 +84,27 @@ def test_the_command_ends_with_mains_status_its_output_flushed_and_the_exit_hand
         assert len(json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]) == 3
 
 
+def test_ctrl_c_ends_a_command_with_status_130_and_one_line(tiny_dir, capsys, monkeypatch):
+    """Ctrl-C (``KeyboardInterrupt``) inside a command: status 130 (the shell's for SIGINT), one line on
+    stderr and no traceback, no result printed, and what the command opened closed on the way out."""
+    from specter.engine import Engine
+    from specter.target import OffloadedTarget
+
+    closed = []
+    close = OffloadedTarget.close
+    monkeypatch.setattr(OffloadedTarget, "close", lambda self: (closed.append(self), close(self))[1])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate_fresh", interrupted)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2,3", "--json"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines()[-1] == "specter: interrupted"
+    assert "Traceback" not in captured.err and len(closed) == 1
+
+
 def test_budget_below_minimum_is_refused(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1", "--budget", "0.05"]) == 1
     assert "minimum is 2 slots" in capsys.readouterr().err

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import threading
 
 import pytest
 
@@ -13,6 +16,7 @@ from specter.eval.jobs import (
     ResultsFile,
     append_error,
     errors_path,
+    interrupts,
     parse_line,
     read_batch,
 )
@@ -109,3 +113,34 @@ def test_progress_line_counts_rate_and_eta() -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("[batch] 1/4 prompts") and "tok/s" in lines[0] and "ETA" in lines[0]
     assert "2/4 prompts" in lines[1] and "1 failed" in lines[1]
+
+
+def test_ctrl_c_in_a_job_is_a_flag_then_a_second_one_interrupts(capsys) -> None:
+    """Inside ``interrupts`` the first SIGINT only sets the event (the job stops between prompts) and
+    says so on stderr; a second raises ``KeyboardInterrupt``; Python's handler is back afterwards."""
+    before = signal.getsignal(signal.SIGINT)
+    with interrupts() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between two bytecodes of this thread
+            if stop.is_set():
+                break
+        assert stop.is_set()
+        assert "Ctrl-C: stopping" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_outside_the_main_thread_a_job_keeps_pythons_sigint_handler() -> None:
+    seen = []
+
+    def job() -> None:
+        with interrupts() as stop:
+            seen.append((stop.is_set(), signal.getsignal(signal.SIGINT)))
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    thread.join()
+    assert seen == [(False, signal.default_int_handler)]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from specter.assets import DEFAULT_DRAFT, DEFAULT_MODEL
+from specter.cli import INTERRUPTED
 from specter.cli.args import DTYPES
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
 from specter.draft.loading import check_draft_matches, load_draft
@@ -468,12 +469,19 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         kept.save(report.chooser)
     chooser = f", K chooser kept from {kept.state['requests']} earlier request(s)" if kept is not None and kept.state \
         else ""
-    print(f"specter batch: {report.finished} finished, {report.failed} failed, {report.skipped} skipped (done "
-          f"before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
+    stopped = ""
+    if report.interrupted:
+        stopped = f"interrupted, {report.left} left" + (f" ({report.running} given up while running)" if report.running
+                                                         else "") + "; "
+    print(f"specter batch: {stopped}{report.finished} finished, {report.failed} failed, {report.skipped} skipped "
+          f"(done before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
           f"({report.tokens / max(wall, 1e-9):.1f} tok/s){chooser} -> {args.out}", file=sys.stderr)
     if report.failed:
         print(f"specter batch: failures are in {errors_path(args.out)}; re-run the same command to retry them",
               file=sys.stderr)
+    if report.interrupted:
+        print(f"specter batch: re-run the same command to go on with the {report.left} left", file=sys.stderr)
+        return INTERRUPTED
     return 1 if report.failed else 0
 
 

@@ -5,16 +5,21 @@ Input lines are ``{"id", "prompt"}`` objects with optional ``max_new_tokens``, `
 ``write`` and fsynced before the next prompt is handed out, so a killed job leaves at most one
 torn last line, which ``ResultsFile`` cuts off on resume. Ids already in the results file are
 skipped; ``ResultsFile.append`` refuses an id twice. Prompts that fail go to ``<out>.errors.jsonl``
-(and are retried by the next run).
+(and are retried by the next run). Ctrl-C stops a job between prompts (``interrupts``): what finished
+stays, and the same command goes on from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -225,3 +230,29 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[threading.Event]:
+    """Ctrl-C as a request to stop between prompts: while inside, the first SIGINT sets the event (the
+    job's loop sees it within its wait, gives up the prompts still running — the next run does them —
+    and returns); a second raises ``KeyboardInterrupt`` as Python's own handler does, for a job that
+    does not stop soon enough. Outside the main thread, where no handler can be set, the event is never
+    set and SIGINT keeps Python's behaviour."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\n[batch] Ctrl-C: stopping; prompts still running are left to the next run (Ctrl-C again: at once)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -17,6 +17,10 @@ While a call waits, the driver watches the other roles' processes: one that ends
 is reported at once as ``RoleGone``, naming the role, its pid and how it ended, and ``shutdown``
 stops what is left (a role that does not answer ``close`` within its time is terminated, then
 killed) and sweeps the replica's shared memory and ipc directory.
+
+Ctrl-C: a terminal sends SIGINT to every process of its group, so the roles and the fork server
+ignore it (the server from its start: it inherits the driver's ``SIG_IGN``, set while it is started)
+and the driver, interrupted, terminates the roles (``ProcessEngine.shutdown``).
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import multiprocessing
 import os
 import secrets
 import shutil
+import signal
 import threading
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -75,6 +81,7 @@ class RoleProcess:
             raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)  # read when the server starts: this process's first role
+        _start_fork_server()
         self.role = role
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(ROLES[role], args, kwargs, child, dict(os.environ)),
@@ -84,6 +91,7 @@ class RoleProcess:
         self.lock = threading.Lock()
         self.pid = self.process.pid
         self.started = False  # it said it was built
+        self.awaiting: str | None = None  # a call whose answer is unread (its caller interrupted): the pipe's next
 
     def ready(self, timeout_s: float, watch: Sequence[RoleProcess] = ()) -> None:
         """Wait until the role is built (loading a model takes a while)."""
@@ -97,11 +105,13 @@ class RoleProcess:
         """``role.method(*args, **kwargs)`` in the process; its exception is raised here (as a watched
         role's ``RoleGone`` where one of them has ended: the exception followed from that)."""
         with self.lock:
+            self.awaiting = method
             try:
                 self.conn.send((method, args, kwargs))
             except (BrokenPipeError, OSError):
                 raise self._gone(f"before {method}") from None
             kind, value = self._receive(timeout, watch, method)
+            self.awaiting = None
         if kind == "ok":
             return value
         if isinstance(value, BaseException):
@@ -114,9 +124,11 @@ class RoleProcess:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def stop(self, timeout_s: float) -> None:
-        """``close`` the role and end the process (terminated, then killed, if it does not end in time)."""
-        if self.alive():
+    def stop(self, timeout_s: float, close: bool = True) -> None:
+        """``close`` the role and end the process (terminated, then killed, if it does not end in time).
+        Without ``close``, or where the role is still being built or runs a call whose caller stopped
+        waiting (Ctrl-C), it is terminated at once: it would answer ``close`` only once that work is done."""
+        if close and self.alive() and self.started and self.awaiting is None:
             try:
                 self.call("close", timeout=timeout_s)
             except Exception as exc:  # busy, gone or failing: ended below all the same
@@ -162,20 +174,41 @@ class RoleProcess:
         return RoleGone(f"the {self.role} process (pid {self.pid}) {how} {when}")
 
 
+def _start_fork_server() -> None:
+    """Start the fork server (where none runs) with SIGINT ignored, which it inherits: it sets its own
+    handlers only once it has imported ``PRELOAD`` (seconds), and a Ctrl-C in those seconds printed a
+    ``KeyboardInterrupt`` traceback from inside transformers. Outside the main thread no handler can be
+    set, and the server starts as before."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _serve(path: str, args: tuple[Any, ...], kwargs: dict[str, Any], conn: Connection, env: dict[str, str]) -> None:
     """The child: build the role, then answer calls until told to stop or the driver is gone."""
     from specter.remote.roles.base import setup_process
 
     os.environ.clear()  # the driver's, not the fork server's (which has the driver's of its own start)
     os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the driver stops us
     setup_process()
     module, name = path.rsplit(".", 1)
     try:
         role = getattr(import_module(module), name)(*args, **kwargs)
     except BaseException as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        with contextlib.suppress(BrokenPipeError, OSError):  # the driver gone: nobody to tell
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    conn.send(("ready", os.getpid()))
+    try:
+        conn.send(("ready", os.getpid()))
+    except (BrokenPipeError, OSError):  # the driver gone while the role was built (Ctrl-C): free what it holds
+        role.close()
+        return
     closed = False
     while True:
         try:
@@ -242,13 +275,16 @@ class ProcessEngine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop every role (the verifier first: it tells the peers), sweep shared memory and the
-        ipc directory; safe to call twice."""
+        ipc directory; safe to call twice. Where a call was cut short (Ctrl-C while a role ran it), every
+        role is terminated instead: they are inside a request, and a role closed alone waits for peers
+        that will not answer."""
         if self.closed:
             return
         self.closed = True
+        cut_short = any(role.awaiting is not None for role in self.roles)
         for role in (self.verifier, self.draft, self.transfer):
             if role is not None:
-                role.stop(timeout_s)
+                role.stop(timeout_s, close=not cut_short)
         if self.ipc_dir and os.path.isdir(self.ipc_dir):
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
         unlink_prefix(self.prefix)
@@ -282,12 +318,18 @@ def launch_processes(
     if draft is not None and Path(draft, "config.json").is_file() and Path(model, "config.json").is_file():
         check_draft_matches(read_config_dict(Path(draft)), read_config_dict(Path(model)))
     prefix = f"specter-p{os.getpid()}-{secrets.token_hex(4)}"
-    transfer = RoleProcess("transfer", str(model), budget, link, prefix, timeout_s, dtype=dtype)
-    verifier = RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile, dtype=dtype,
-                           step=step)
-    draft_role = RoleProcess("draft", str(draft), timeout_s, draft_mode, link=link, step=step) if draft is not None \
-        else None
-    roles = [r for r in (transfer, verifier, draft_role) if r is not None]
+    roles: list[RoleProcess] = []
+    try:
+        roles.append(RoleProcess("transfer", str(model), budget, link, prefix, timeout_s, dtype=dtype))
+        roles.append(RoleProcess("verifier", str(model), budget, policy, timeout_s, link, host_profile, dtype=dtype,
+                                 step=step))
+        if draft is not None:
+            roles.append(RoleProcess("draft", str(draft), timeout_s, draft_mode, link=link, step=step))
+    except BaseException:  # Ctrl-C while the first waited for the fork server: end those already started
+        for role in roles:
+            role.stop(0.0, close=False)
+        raise
+    transfer, verifier, draft_role = roles[0], roles[1], roles[2] if draft is not None else None
     engine = ProcessEngine(transfer, verifier, draft_role, prefix, policy, roles=roles)
     try:
         for role in roles:

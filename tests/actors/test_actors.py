@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import _thread
 import json
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +185,33 @@ def test_a_sealed_replica_has_no_names_to_leak_and_shutdown_leaves_no_actor(engi
             ray.get_actor(name)
     assert not os.path.exists(ipc_dir)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_ctrl_c_inside_a_request_kills_the_replica_rather_than_wait_for_it(local_ray, models, caplog) -> None:
+    """Ctrl-C while a request runs (``specter generate --address``: the client's ``with`` shuts the
+    replica down on the way out): each actor is killed at once, not asked to close, which it would
+    answer only once the request is done (a slow link: a long one), so no close waits out its timeout."""
+    folder, draft = models
+    slow = LinkConfig(kind="sim", bandwidth=2e6, latency=5e-5)
+    handle = launch(folder, draft, BUDGET, slow, policy="demand-lru", timeout_s=600)
+
+    def ctrl_c_inside() -> None:  # tied to the request's state, not to a clock
+        while not ray.get(handle.verifier.progress.remote())["committed"]:
+            time.sleep(0.01)
+        _thread.interrupt_main()
+
+    threading.Thread(target=ctrl_c_inside, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            handle.generate(PROMPT, 240, policy="demand-lru")
+        assert handle.cut_short
+    finally:
+        with caplog.at_level(logging.WARNING, logger="actors.launcher"):
+            handle.shutdown(timeout_s=5.0)
+    assert not [r for r in caplog.records if "shutdown of" in r.getMessage()]  # no close asked, none timed out
+    for name in handle.names:
+        with pytest.raises(ValueError):
+            ray.get_actor(name)
 
 
 def test_client_generates_token_ids_prompts(local_ray, models) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +137,52 @@ def test_resume_after_a_torn_line_runs_only_the_rest(local_ray, models, referenc
     rows = _read(out)
     assert [r["id"] for r in rows].count("p1") == 1 and len(rows) == 3
     assert all(r["tokens"] == reference[r["id"]] for r in rows)
+
+
+def test_ctrl_c_stops_specter_batch_between_prompts_and_keeps_what_finished(local_ray, tmp_path, capsys) -> None:
+    """Ctrl-C (a real SIGINT, once the first result is in) in ``specter batch``: the loop stops between
+    prompts, the replica's actors are gone, the finished results stay (each transformers' own, what the
+    next run skips), and the command says how many are left and how to go on, with status 130 and no
+    traceback."""
+    from transformers import AutoTokenizer
+
+    from specter.assets import ASSETS
+    from specter.cli import main
+
+    model = ASSETS / "moe-fine"
+    prompts = {f"q{i}": f"def step_{i}(x):" for i in range(8)}
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    src.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in prompts.items()))
+
+    def ctrl_c_after_the_first_result() -> None:
+        while not (out.exists() and out.read_text()):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, lambda *_: None)  # one landing outside the batch's loop: not pytest's
+    watcher = threading.Thread(target=ctrl_c_after_the_first_result, daemon=True)
+    watcher.start()
+    try:
+        code = main(["batch", str(src), "--out", str(out), "--model", str(model), "--policy", "demand-lru",
+                     "--max-new-tokens", "6", "--link", "sim:4"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    rows = _read(out)
+    left = len(prompts) - len(rows)
+    assert code == 130 and left > 0, err[-3000:]
+    assert f"specter batch: interrupted, {left} left" in err and "Traceback" not in err
+    assert f"re-run the same command to go on with the {left} left" in err
+    assert ResultsFile(out).done == {row["id"] for row in rows}  # what the next run skips
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ref = AutoModelForCausalLM.from_pretrained(str(model), experts_implementation="eager", dtype=torch.float32)
+    for row in rows:
+        ids = tokenizer.encode(prompts[row["id"]])
+        assert row["tokens"] == ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    deadline = time.monotonic() + 60
+    while [a for a in ray.util.list_named_actors() if a.startswith("specter-r")] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("specter-r")]
 
 
 def test_a_bad_request_is_recorded_and_the_rest_finish(local_ray, models, reference, tmp_path) -> None:

@@ -4,8 +4,11 @@ shared memory or ipc directory behind."""
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_faults import kill_transfer_after
+from process_faults import after_transfers, kill_transfer_after
 from transformers import AutoModelForCausalLM
 
 from specter.assets import DEFAULT_MODEL
@@ -94,6 +97,49 @@ def test_a_killed_transfer_process_is_reported_as_such_and_leaves_nothing(models
         handle.shutdown(timeout_s=2.0)
     assert not any(role.alive() for role in handle.roles)
     assert not _entries(handle.prefix)
+
+
+def _ignores_sigint(pid: int | None) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+
+
+def test_ctrl_c_reaches_no_role_and_a_request_it_cuts_short_ends_every_role_at_once(models) -> None:
+    """A terminal's Ctrl-C reaches every process of its group: the roles ignore it (sent SIGINT, they go
+    on serving), and the driver, interrupted inside a request, terminates them rather than ask them to
+    close (which they would answer once the request is done), leaving nothing behind."""
+    folder, draft = models
+    slow = LinkConfig(kind="sim", bandwidth=2e6, latency=5e-5)  # a long request: interrupted inside it
+    handle = launch_processes(folder, draft, BUDGET, slow, policy="specter+fixed", timeout_s=600)
+    try:
+        assert all(_ignores_sigint(role.pid) for role in handle.roles)
+        for role in handle.roles:
+            os.kill(role.pid, signal.SIGINT)
+        assert len(handle.generate(PROMPT, 2, policy="demand-lru")["tokens"]) == 2
+        interrupted = after_transfers(handle, _thread.interrupt_main)  # tied to the request's state
+        with pytest.raises(KeyboardInterrupt):
+            handle.generate(PROMPT, 240, policy="specter+fixed", window=3)
+        assert interrupted.is_set() and handle.verifier.awaiting == "generate"
+    finally:
+        handle.shutdown(timeout_s=30)
+    # terminated, all three: a role asked to close exits 0 (the draft and the transfer did, before)
+    assert [role.process.exitcode for role in handle.roles] == [-signal.SIGTERM] * 3
+    assert not _entries(handle.prefix)
+
+
+def test_a_role_whose_driver_went_away_while_it_was_built_frees_what_it_made(models) -> None:
+    """Ctrl-C while a role is being built can leave it without a driver (one interrupted waiting for the
+    fork server never learns the role's pid): built, it finds the driver's end of its pipe closed,
+    closes itself and exits 0 (not with a BrokenPipeError), and its shared memory is gone."""
+    folder, _ = models
+    prefix = f"specter-p{os.getpid()}-{secrets.token_hex(4)}"
+    role = RoleProcess("transfer", str(folder), BUDGET, LINK, prefix, 60.0)
+    role.conn.close()  # the driver's end gone, as when it is interrupted
+    role.process.join(300)
+    assert role.process.exitcode == 0
+    assert not _entries(prefix)
 
 
 def test_a_role_that_cannot_start_is_named_and_nothing_is_left(models, tmp_path) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from serve_process import START_S, STOP_S, free_port
 
 from specter.assets import DEFAULT_MODEL
 from specter.serving.api import ApiError, Model, parse
@@ -90,3 +93,28 @@ def test_serve_refuses_a_public_host_without_a_key():
                           capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if k != "SPECTER_API_KEY"})
     assert proc.returncode == 2 and "--api-key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_while_the_server_starts_stops_it_there_with_status_130(tmp_path):
+    """Ctrl-C before the application is up (its replica loading the model: minutes for a large one)
+    stops ``specter serve`` there and then: status 130, "specter: interrupted", never the ready line,
+    no traceback; before, it was held until the server had started, then printed it was serving."""
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--port", str(free_port())],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + START_S
+            while 'Started Serve in namespace "serve"' not in log_path.read_text():  # the application starts next
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=STOP_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert code == 130, text[-3000:]
+    assert text.strip().splitlines()[-1] == "specter: interrupted"
+    assert "Ctrl-C stops" not in text and "Traceback" not in text, text[-3000:]

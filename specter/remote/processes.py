@@ -103,8 +103,16 @@ class RoleProcess:
     def call(self, method: str, *args: Any, timeout: float | None = None, watch: Sequence[RoleProcess] = (),
              **kwargs: Any) -> Any:
         """``role.method(*args, **kwargs)`` in the process; its exception is raised here (as a watched
-        role's ``RoleGone`` where one of them has ended: the exception followed from that)."""
+        role's ``RoleGone`` where one of them has ended: the exception followed from that).
+
+        Raises:
+            RoleError: an earlier call's answer is still due (it timed out or was interrupted): the
+                pipe's next message is that answer, not this call's, so the role takes no more calls.
+        """
         with self.lock:
+            if self.awaiting is not None:
+                raise RoleError(f"{self.role} process: the answer to {self.awaiting} is still due (that call timed "
+                                f"out or was interrupted); it takes no more calls: stop this engine")
             self.awaiting = method
             try:
                 self.conn.send((method, args, kwargs))

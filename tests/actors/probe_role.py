@@ -1,5 +1,5 @@
-"""Stand-in roles for the plain-process launcher's own tests: one answers what its process sees,
-one is slow to build."""
+"""Stand-in roles for the plain-process launcher's own tests: one answers what its process sees (or
+after a while), one is slow to build."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import time
 class EnvRole:
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def wait(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
 
     def close(self) -> None:
         pass

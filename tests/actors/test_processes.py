@@ -186,6 +186,22 @@ def test_each_role_process_takes_the_drivers_environment_as_it_is_at_its_start(m
             role.stop(5)
 
 
+def test_after_a_call_times_out_the_role_takes_no_call_whose_answer_would_be_the_old_one(monkeypatch) -> None:
+    """A call that timed out leaves its answer due on the pipe: the next call would have read it as its
+    own. It is refused by name instead, and ``stop`` ends the role without asking it to close."""
+    monkeypatch.setitem(ROLES, "probe", "probe_role.EnvRole")
+    role = RoleProcess("probe")
+    try:
+        role.ready(60)
+        with pytest.raises(TimeoutError, match="no answer to wait"):
+            role.call("wait", 30.0, timeout=0.5)
+        with pytest.raises(RoleError, match="the answer to wait is still due"):
+            role.call("env", "HOME", timeout=30)
+    finally:
+        role.stop(5)
+    assert role.process.exitcode == -signal.SIGTERM
+
+
 def test_specter_generate_processes_on_the_command_line(models) -> None:
     folder, draft = models
     proc = subprocess.run(

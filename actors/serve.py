@@ -151,7 +151,7 @@ SHUTDOWN_POLL_S = 0.2  # how often a stopping replica looks whether its running 
 KEEP_EVERY_S = 60.0  # how often ``run`` hands the replica's K choosers to ``keep`` (and once on the way out)
 KEEP_TIMEOUT_S = 30.0  # for the replica's answer (it waits for the running step)
 KEEP_STARTING_S = 2.0  # the same, stopped before ``serve.run`` said the application is up: a replica still
-# loading the model has nothing to keep (it answers /health a few seconds before ``serve.run`` returns)
+# loading the model has nothing to keep (one up answers /health up to a second before ``serve.run`` returns)
 
 
 def deployment(options: ServeOptions) -> Any:

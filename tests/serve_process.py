@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -25,16 +26,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_serve(port: int, flags: list[str], log: IO[str]) -> subprocess.Popen:
+    """``specter serve --port PORT FLAGS`` as a subprocess writing to ``log``, without the key or the Ray
+    address of the environment that runs the tests."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
+    return subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 @contextlib.contextmanager
 def serving(flags: list[str], log_path: Path) -> Iterator[tuple[str, int, subprocess.Popen]]:
     """``specter serve --port P FLAGS`` until it answers ``/health`` and has said it is serving (the
     ready line: a Ctrl-C before it stops a server still starting, with 130): yields its URL, port and
     process; then Ctrl-C, which must end it with 0 and no traceback in its log (``log_path``)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--port", str(port), *flags],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = start_serve(port, flags, log)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + START_S

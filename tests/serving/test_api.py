@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_process import START_S, STOP_S, free_port
+from serve_process import READY, START_S, STOP_S, free_port, start_serve
 
 from specter.assets import DEFAULT_MODEL
 from specter.serving.api import ApiError, Model, parse
@@ -100,10 +100,8 @@ def test_ctrl_c_while_the_server_starts_stops_it_there_with_status_130(tmp_path)
     stops ``specter serve`` there and then: status 130, "specter: interrupted", never the ready line,
     no traceback; before, it was held until the server had started, then printed it was serving."""
     log_path = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--port", str(free_port())],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = start_serve(free_port(), [], log)
         try:
             deadline = time.monotonic() + START_S
             while 'Started Serve in namespace "serve"' not in log_path.read_text():  # the application starts next
@@ -117,4 +115,4 @@ def test_ctrl_c_while_the_server_starts_stops_it_there_with_status_130(tmp_path)
     text = log_path.read_text()
     assert code == 130, text[-3000:]
     assert text.strip().splitlines()[-1] == "specter: interrupted"
-    assert "Ctrl-C stops" not in text and "Traceback" not in text, text[-3000:]
+    assert READY not in text and "Traceback" not in text, text[-3000:]

@@ -19,6 +19,22 @@ Ray replaces a loopback address (``127.0.0.1``, ``localhost``) by the machine's 
 before it binds or connects (``ray._private.services.resolve_ip_for_localhost``); ``_loopback_kept``
 leaves loopback as given while ``ray.init`` runs, so a one-machine Ray stays off the network and the
 address the user gave is the one used.
+
+``ray.init`` also puts its own SIGTERM handling in place of the program's: first a Python handler that
+calls ``sys.exit(15)`` (an embedded Ray's shutdown at exit then took 28–31 s here, with two of its
+agents outliving the command), then, once its core worker is up, a C++ one that prints a stack dump
+and aborts the process (status −6, ``/dev/shm`` segments of a starting replica left behind).
+``_sigterm_kept`` gives a program that has a SIGTERM handler of its own (``specter``'s commands:
+stop cleanly, status 143) that handler back, and hands it a SIGTERM Ray's Python handler took
+meanwhile; a program without one keeps Ray's.
+
+The embedded Ray's processes (GCS, raylet and, under it, the workers that run the actors) start in a
+process group of their own (``_own_process_group``), as Ray does on Windows. In the driver's group a
+signal to the whole group — ``timeout``, systemd's stop, Slurm's, ``kill -- -PGID`` — killed them
+together with the driver, whose clean stop then waited on a dead GCS: ``specter serve`` took 60.8 s
+and ended with status 1 and Ray's C++ errors. Now only the driver gets it, and it stops Ray. Ray's
+processes still end with the driver when it is killed (the kernel's parent-death signal, Ray's
+``fate_share``).
 """
 
 from __future__ import annotations
@@ -26,7 +42,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import socket
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -70,7 +89,7 @@ def start_local(num_cpus: int = 2, **options: Any) -> None:
     _token_auth(os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts (see above)
     options.setdefault("include_dashboard", False)
-    with _loopback_kept():
+    with _loopback_kept(), _sigterm_kept(), _own_process_group():
         ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)
 
 
@@ -104,7 +123,7 @@ def attach(address: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
     left = max(1, int(deadline - time.monotonic()))
     env = {"RAY_gcs_server_port_wait_time_s": str(left)}
     try:
-        with _loopback_kept(), _environ(env):
+        with _loopback_kept(), _environ(env), _sigterm_kept():
             ray.init(address=target)
     except (ConnectionError, RuntimeError, AuthenticationError) as exc:
         refused = "token" in str(exc).lower() or isinstance(exc, AuthenticationError)
@@ -240,6 +259,49 @@ def _loopback_kept() -> Iterator[None]:
         yield
     finally:
         services.resolve_ip_for_localhost = original
+
+
+@contextlib.contextmanager
+def _own_process_group() -> Iterator[None]:
+    """While it runs, the processes ``ray.init`` starts (``services.ConsolePopen``) lead process groups
+    of their own, where the kernel ends them with their parent (Linux: Ray's ``fate_share``); without
+    that, Ray's reaper must share their group, and they stay in it."""
+    if not ray._private.utils.detect_fate_sharing_support() or sys.platform == "win32":
+        yield
+        return
+    original = services.ConsolePopen
+
+    class OwnGroupPopen(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Keep the program's own SIGTERM handler across ``ray.init`` (the module's docstring says what
+    Ray puts there); a ``SystemExit(15)`` from Ray's handler inside is handed to it. A program whose
+    SIGTERM has no Python handler (the default), or a call outside the main thread, keeps Ray's."""
+    mine = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(mine):
+        yield
+        return
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        signal.signal(signal.SIGTERM, mine)
+        mine(signal.SIGTERM, None)  # the program's own answer (``specter``: raise ``Terminated``)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, mine)  # at the C level too: the abort handler is gone
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from specter.config import LinkConfig, SlotConfig
 from specter.models.checkpoint import read_config_dict
 from specter.serving.api import Model
 from specter.serving.app import DEFAULT_MAX_QUEUE, MAX_BODY, Settings, build_app
+from specter.signals import Terminated
 from specter.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
     until ``stop`` is set or SIGINT/SIGTERM arrives; delete the application on the way out.
 
     SIGINT/SIGTERM before ``serve.run`` says the application is up (its replica loads the model:
-    minutes for a large one) raise ``KeyboardInterrupt`` there and then, and what was started is
+    minutes for a large one) raise ``KeyboardInterrupt``/``Terminated`` there and then, and what was started is
     deleted; once it is up they set ``stop``, and the running requests finish first (``deployment``).
 
     ``keep``: given, it is handed the replica's ``SpecterServer.kept`` every ``KEEP_EVERY_S`` and once
@@ -185,7 +186,7 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
 
     def on_signal(signum: int, frame: Any) -> None:
         if not up.is_set():
-            raise KeyboardInterrupt
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

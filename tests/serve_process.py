@@ -28,17 +28,30 @@ def free_port() -> int:
 
 def start_serve(port: int, flags: list[str], log: IO[str]) -> subprocess.Popen:
     """``specter serve --port PORT FLAGS`` as a subprocess writing to ``log``, without the key or the Ray
-    address of the environment that runs the tests."""
+    address of the environment that runs the tests, leading a process group of its own (as a shell,
+    ``timeout`` or a service manager starts it: ``stop`` can signal the whole group)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SPECTER_API_KEY", "RAY_ADDRESS")}
     return subprocess.Popen([sys.executable, "-m", "specter.cli", "serve", "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, how: str) -> None:
+    """``ctrl-c``: SIGINT to the server; ``sigterm-group``: SIGTERM to its whole process group, as
+    ``timeout``, systemd's stop or Slurm's send it."""
+    if how == "ctrl-c":
+        proc.send_signal(signal.SIGINT)
+    elif how == "sigterm-group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        raise ValueError(f"how: 'ctrl-c' or 'sigterm-group', got {how!r}")
 
 
 @contextlib.contextmanager
-def serving(flags: list[str], log_path: Path) -> Iterator[tuple[str, int, subprocess.Popen]]:
+def serving(flags: list[str], log_path: Path, how: str = "ctrl-c") -> Iterator[tuple[str, int, subprocess.Popen]]:
     """``specter serve --port P FLAGS`` until it answers ``/health`` and has said it is serving (the
     ready line: a Ctrl-C before it stops a server still starting, with 130): yields its URL, port and
-    process; then Ctrl-C, which must end it with 0 and no traceback in its log (``log_path``)."""
+    process; then stops it (``stop``'s ``how``: Ctrl-C by default), which must end it with 0 and no
+    traceback in its log (``log_path``)."""
     port = free_port()
     with open(log_path, "w") as log:
         proc = start_serve(port, flags, log)
@@ -58,12 +71,12 @@ def serving(flags: list[str], log_path: Path) -> Iterator[tuple[str, int, subpro
                 time.sleep(1.0)
             yield url, port, proc
         finally:
-            proc.send_signal(signal.SIGINT)  # Ctrl-C
+            stop(proc, how)
             try:
                 code = proc.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = None
     text = log_path.read_text()
-    assert code == 0, f"Ctrl-C ended specter serve with {code}:\n{text[-3000:]}"
+    assert code == 0, f"{how} ended specter serve with {code}:\n{text[-3000:]}"
     assert "Traceback" not in text, text[-3000:]

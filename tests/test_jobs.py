@@ -20,6 +20,7 @@ from specter.eval.jobs import (
     parse_line,
     read_batch,
 )
+from specter.signals import Terminated
 
 
 def _parse(text: str):
@@ -115,32 +116,37 @@ def test_progress_line_counts_rate_and_eta() -> None:
     assert "2/4 prompts" in lines[1] and "1 failed" in lines[1]
 
 
-def test_ctrl_c_in_a_job_is_a_flag_then_a_second_one_interrupts(capsys) -> None:
-    """Inside ``interrupts`` the first SIGINT only sets the event (the job stops between prompts) and
-    says so on stderr; a second raises ``KeyboardInterrupt``; Python's handler is back afterwards."""
-    before = signal.getsignal(signal.SIGINT)
+@pytest.mark.parametrize(("signum", "raised", "name"), [(signal.SIGINT, KeyboardInterrupt, "Ctrl-C"),
+                                                       (signal.SIGTERM, Terminated, "SIGTERM")])
+def test_ctrl_c_or_sigterm_in_a_job_is_a_flag_then_a_second_one_interrupts(capsys, signum, raised, name) -> None:
+    """Inside ``interrupts`` the first SIGINT or SIGTERM only sets the event, saying which (the job
+    stops between prompts, and says so on stderr); a second raises (``Terminated`` for SIGTERM); both
+    handlers are back afterwards."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with interrupts() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signum)
         for _ in range(1000):  # the handler runs between two bytecodes of this thread
             if stop.is_set():
                 break
-        assert stop.is_set()
-        assert "Ctrl-C: stopping" in capsys.readouterr().err
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+        assert stop.is_set() and stop.signum == signum
+        assert f"{name}: stopping" in capsys.readouterr().err
+        with pytest.raises(raised) as caught:
+            os.kill(os.getpid(), signum)
             for _ in range(1000):
                 pass
-    assert signal.getsignal(signal.SIGINT) is before
+        assert type(caught.value) is raised
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-def test_outside_the_main_thread_a_job_keeps_pythons_sigint_handler() -> None:
+def test_outside_the_main_thread_a_job_keeps_pythons_sigint_handler_and_the_sigterm_one() -> None:
     seen = []
 
     def job() -> None:
+        sigterm = signal.getsignal(signal.SIGTERM)
         with interrupts() as stop:
-            seen.append((stop.is_set(), signal.getsignal(signal.SIGINT)))
+            seen.append((stop.is_set(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM) is sigterm))
 
     thread = threading.Thread(target=job)
     thread.start()
     thread.join()
-    assert seen == [(False, signal.default_int_handler)]
+    assert seen == [(False, signal.default_int_handler, True)]

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from specter.assets import DEFAULT_DRAFT, DEFAULT_MODEL
-from specter.cli import INTERRUPTED
 from specter.cli.args import DTYPES
 from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
 from specter.plan import drafts, make_policy, policy_class
+from specter.signals import exit_status, stopped_word
 from specter.timing.costs import Timing, resolve_timing
 
 
@@ -471,7 +471,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else ""
     stopped = ""
     if report.interrupted:
-        stopped = f"interrupted, {report.left} left" + (f" ({report.running} given up while running)" if report.running
+        stopped = f"{stopped_word(report.interrupted)}, {report.left} left" + (f" ({report.running} given up while running)" if report.running
                                                          else "") + "; "
     print(f"specter batch: {stopped}{report.finished} finished, {report.failed} failed, {report.skipped} skipped "
           f"(done before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
@@ -481,7 +481,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               file=sys.stderr)
     if report.interrupted:
         print(f"specter batch: re-run the same command to go on with the {report.left} left", file=sys.stderr)
-        return INTERRUPTED
+        return exit_status(report.interrupted)
     return 1 if report.failed else 0
 
 

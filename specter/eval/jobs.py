@@ -5,8 +5,8 @@ Input lines are ``{"id", "prompt"}`` objects with optional ``max_new_tokens``, `
 ``write`` and fsynced before the next prompt is handed out, so a killed job leaves at most one
 torn last line, which ``ResultsFile`` cuts off on resume. Ids already in the results file are
 skipped; ``ResultsFile.append`` refuses an id twice. Prompts that fail go to ``<out>.errors.jsonl``
-(and are retried by the next run). Ctrl-C stops a job between prompts (``interrupts``): what finished
-stays, and the same command goes on from it.
+(and are retried by the next run). Ctrl-C or SIGTERM stops a job between prompts (``interrupts``):
+what finished stays, and the same command goes on from it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from specter.signals import Terminated
 
 MAX_NEW_TOKENS_CAP = 1 << 20  # "absurd" beyond this: refused on the line, not after hours of work
 
@@ -232,27 +234,39 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+class StopSignal(threading.Event):
+    """Set by the first SIGINT or SIGTERM inside ``interrupts``; ``signum`` says which (0 until then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signum = 0
+
+
 @contextlib.contextmanager
-def interrupts() -> Iterator[threading.Event]:
-    """Ctrl-C as a request to stop between prompts: while inside, the first SIGINT sets the event (the
-    job's loop sees it within its wait, gives up the prompts still running — the next run does them —
-    and returns); a second raises ``KeyboardInterrupt`` as Python's own handler does, for a job that
-    does not stop soon enough. Outside the main thread, where no handler can be set, the event is never
-    set and SIGINT keeps Python's behaviour."""
-    stop = threading.Event()
+def interrupts() -> Iterator[StopSignal]:
+    """Ctrl-C (SIGINT) or SIGTERM (``kill``, ``ray job stop``) as a request to stop between prompts:
+    while inside, the first one sets the event (the job's loop sees it within its wait, gives up the
+    prompts still running — the next run does them — and returns); a second raises
+    ``KeyboardInterrupt`` (``Terminated`` for SIGTERM), for a job that does not stop soon enough. Both
+    handlers are back afterwards. Outside the main thread, where no handler can be set, the event is
+    never set and the signals keep their handlers."""
+    stop = StopSignal()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         if stop.is_set():
-            raise KeyboardInterrupt
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        stop.signum = signum
         stop.set()
-        print("\n[batch] Ctrl-C: stopping; prompts still running are left to the next run (Ctrl-C again: at once)",
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n[batch] {name}: stopping; prompts still running are left to the next run ({name} again: at once)",
               file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -171,33 +171,54 @@ def head_with_dashboard():
         _stop_head(port)
 
 
-def test_batch_through_ray_job_submit(head_with_dashboard, tmp_path):
-    """`ray job submit -- specter batch …` on the cluster: the job's driver attaches with --address auto."""
+def test_batch_through_ray_job_submit_stopped_by_ray_job_stop_then_resumed(head_with_dashboard, tmp_path):
+    """`ray job submit -- specter batch …` on the cluster (the job's driver attaches with --address auto);
+    `ray job stop` once the first result is in — SIGTERM to the driver, SIGKILL 3 s later — stops it
+    between prompts: the job is STOPPED, its log says how many are left, what finished stays; the same
+    job submitted again runs only the rest, and every prompt's tokens are transformers' greedy ones.
+    Before, Ray's own SIGTERM handling took over (a C++ stack dump and an abort, no summary)."""
     from transformers import AutoTokenizer
 
     from specter.assets import ASSETS
 
     url, env = head_with_dashboard
     model = ASSETS / "moe-fine"
-    prompts = {"x": "def main():", "y": "import sys\n"}
+    prompts = {f"p{i}": text for i, text in enumerate(["def main():", "import sys\n", "class A:", "while True:"])}
     src, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
     src.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in prompts.items()))
     entry = ["specter", "batch", str(src), "--out", str(out), "--address", "auto", "--model", str(model),
              "--draft", str(ASSETS / "moe-fine-awq"), "--policy", "specter", "--max-new-tokens", "5"]
+
+    def job(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["ray", "job", *args], capture_output=True, text=True, env=env, timeout=900)
+
     deadline = time.monotonic() + 180
     while True:  # the job agent comes up a little after the dashboard
-        proc = subprocess.run(["ray", "job", "submit", "--address", url, "--", *entry], capture_output=True,
-                              text=True, env=env, timeout=900)
+        # a slow link for the first job (the results are the same on any link): one still runs when stopped
+        proc = job("submit", "--address", url, "--submission-id", "first", "--no-wait", "--", *entry, "--link", "sim:0.002")
         if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
             break
         time.sleep(5)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "succeeded" in proc.stdout + proc.stderr
-    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
-    assert sorted(rows) == ["x", "y"]
+    deadline = time.monotonic() + 300
+    while not (out.exists() and out.read_text()):
+        assert time.monotonic() < deadline, job("logs", "--address", url, "first").stdout[-3000:]
+        time.sleep(0.1)
+    assert job("stop", "--address", url, "first").returncode == 0
+    assert "was stopped" in job("status", "--address", url, "first").stdout
+    logs = job("logs", "--address", url, "first").stdout
+    done = len(out.read_text().splitlines())
+    assert done < len(prompts) and f"specter batch: terminated, {len(prompts) - done} left" in logs, logs[-3000:]
+    assert "re-run the same command" in logs and "Traceback" not in logs and "SIGTERM received" not in logs
+
+    proc = job("submit", "--address", url, "--", *entry)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "succeeded" in proc.stdout + proc.stderr and f"{done} already in" in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(row["id"] for row in rows) == sorted(prompts)  # each once
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     ref = AutoModelForCausalLM.from_pretrained(str(model), experts_implementation="eager", dtype=torch.float32)
-    for ident, text in prompts.items():
-        ids = tokenizer.encode(text)
+    for row in rows:
+        ids = tokenizer.encode(prompts[row["id"]])
         want = ref.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
-        assert rows[ident]["tokens"] == want
+        assert row["tokens"] == want

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from serve_process import READY, START_S, STOP_S, free_port, start_serve
+from serve_process import READY, START_S, STOP_S, free_port, start_serve, stop
 
 from specter.assets import DEFAULT_MODEL
 from specter.serving.api import ApiError, Model, parse
@@ -95,10 +94,13 @@ def test_serve_refuses_a_public_host_without_a_key():
     assert proc.returncode == 2 and "--api-key" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_ctrl_c_while_the_server_starts_stops_it_there_with_status_130(tmp_path):
-    """Ctrl-C before the application is up (its replica loading the model: minutes for a large one)
-    stops ``specter serve`` there and then: status 130, "specter: interrupted", never the ready line,
-    no traceback; before, it was held until the server had started, then printed it was serving."""
+@pytest.mark.parametrize(("how", "status", "word"), [("ctrl-c", 130, "interrupted"),
+                                                     ("sigterm-group", 143, "terminated")])
+def test_ctrl_c_or_sigterm_while_the_server_starts_stops_it_there(tmp_path, how, status, word):
+    """Ctrl-C, or SIGTERM to its process group (a service manager's stop), before the application is
+    up (its replica loading the model: minutes for a large one) stops ``specter serve`` there and then:
+    status 130 / 143, "specter: interrupted" / "terminated", never the ready line, no traceback; before,
+    Ctrl-C was held until the server had started, then it printed it was serving."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = start_serve(free_port(), [], log)
@@ -107,12 +109,12 @@ def test_ctrl_c_while_the_server_starts_stops_it_there_with_status_130(tmp_path)
             while 'Started Serve in namespace "serve"' not in log_path.read_text():  # the application starts next
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.05)
-            proc.send_signal(signal.SIGINT)
+            stop(proc, how)
             code = proc.wait(timeout=STOP_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
     text = log_path.read_text()
-    assert code == 130, text[-3000:]
-    assert text.strip().splitlines()[-1] == "specter: interrupted"
+    assert code == status, text[-3000:]
+    assert text.strip().splitlines()[-1] == f"specter: {word}"
     assert READY not in text and "Traceback" not in text, text[-3000:]

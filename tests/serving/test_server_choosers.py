@@ -1,5 +1,5 @@
 """``specter serve --policy specter`` keeps its K choosers between runs: a server stopped with Ctrl-C
-leaves its batcher's choosers (one per number of requests drafting together) in ``--chooser-cache``,
+(or, the second one, SIGTERM to its process group) leaves its batcher's choosers (one per number of requests drafting together) in ``--chooser-cache``,
 and the next server of the same setup starts from them, says so, and answers with the same text."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from serve_process import serving
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def", "for i in range(10):"]
 
 
-def _serve(cache: Path, log_path: Path) -> tuple[list[str], str]:
-    """One server's life: start it, complete the four prompts at once (greedy), Ctrl-C; its texts and log."""
-    with serving(["--policy", "specter", "--chooser-cache", str(cache)], log_path) as (url, _, _):
+def _serve(cache: Path, log_path: Path, how: str) -> tuple[list[str], str]:
+    """One server's life: start it, complete the four prompts at once (greedy), stop it ``how``
+    (``serve_process.stop``); its texts and log."""
+    with serving(["--policy", "specter", "--chooser-cache", str(cache)], log_path, how) as (url, _, _):
 
         def complete(prompt: str) -> str:
             body = {"model": "moe-fine", "prompt": prompt, "max_tokens": 24, "temperature": 0}
@@ -29,7 +30,7 @@ def _serve(cache: Path, log_path: Path) -> tuple[list[str], str]:
 
 def test_a_restarted_server_starts_from_the_choosers_the_last_one_kept(tmp_path):
     cache = tmp_path / "choosers"
-    first, log = _serve(cache, tmp_path / "first.log")
+    first, log = _serve(cache, tmp_path / "first.log", "ctrl-c")
     assert "K choosers kept" not in log
     [kept_file] = list(cache.iterdir())
     record = json.loads(kept_file.read_text())
@@ -37,7 +38,9 @@ def test_a_restarted_server_starts_from_the_choosers_the_last_one_kept(tmp_path)
     assert record["choosers"] and all(int(n) >= 1 for n in record["choosers"])
     samples = {n: sum(state["samples"].values()) for n, state in record["choosers"].items()}
 
-    second, log = _serve(cache, tmp_path / "second.log")
+    # stopped as a service manager stops it: SIGTERM to its process group (before: the embedded Ray's
+    # processes died with it and the server's stop waited 60 s on them, then ended with status 1)
+    second, log = _serve(cache, tmp_path / "second.log", "sigterm-group")
     assert f"K choosers kept from {len(PROMPTS)} earlier request(s)" in log
     assert second == first  # greedy: the same text whatever K the choosers play
     record = json.loads(kept_file.read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,51 @@ def test_bad_flags_exit_2(flags, needle, plain_dir, tmp_path, capsys) -> None:
         _run(["--model", str(plain_dir("mixtral")), "--out", str(tmp_path / "d"), *flags])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_run_stopped_while_it_writes_leaves_the_earlier_draft_whole(plain_dir, tmp_path, monkeypatch) -> None:
+    """Quantizing again into a folder that holds a draft: a run stopped while it writes (Ctrl-C or
+    SIGTERM: a ``KeyboardInterrupt`` out of the weights' write, after part of the file) leaves the
+    earlier draft byte for byte and nothing beside it; a run that finishes replaces the draft whole,
+    keeps what else the folder held, and leaves nothing beside it either. Before, the earlier
+    weights were deleted first and the new ones written in place."""
+    from specter.draft.quantize import model as quantize_module
+
+    out = tmp_path / "d"
+    assert _run(["--model", str(plain_dir("mixtral")), "--out", str(out), "--method", "int8"]) == 0
+    (out / "NOTES.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def torn(tensors, path, metadata=None):
+        Path(path).write_bytes(b"part of the weights")
+        raise KeyboardInterrupt
+
+    rtn = ["--model", str(plain_dir("mixtral")), "--out", str(out), "--method", "rtn"]
+    monkeypatch.setattr(quantize_module, "save_file", torn)
+    with pytest.raises(KeyboardInterrupt):
+        _run(rtn)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+    monkeypatch.setattr(quantize_module, "save_file", save_file)
+    assert _run(rtn) == 0
+    assert json.loads((out / "draft_report.json").read_text())["method"] == "rtn"
+    assert (out / "NOTES.md").read_text() == "mine" and (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+    assert DraftModel.load(out, device="cpu", mode="dequant-cache").forward(torch.tensor([[1, 2, 3]])).shape[-1] > 0
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_work(plain_dir, tmp_path, capsys, monkeypatch) -> None:
+    from specter.draft.quantize import model as quantize_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(quantize_module, "build_dense", no_work)
+    (tmp_path / "f").write_text("x")
+    assert _run(["--model", str(plain_dir("mixtral")), "--out", str(tmp_path / "f"), "--method", "int8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is a file" in err and str(tmp_path / "f") in err
+    assert _run(["--model", str(plain_dir("mixtral")), "--out", str(tmp_path / "f" / "d"), "--method", "int8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is not a folder this process can write into" in err

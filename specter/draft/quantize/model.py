@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import statistics
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -82,7 +84,8 @@ def quantize_model(
 
     Args:
         model_dir: the target checkpoint folder.
-        out_dir: the draft folder to write (created; must differ from ``model_dir``).
+        out_dir: the draft folder to write (created; must differ from ``model_dir``; checked before
+            the work, replaced whole at the end: ``_write``).
         method: ``awq`` | ``rtn`` | ``int8``.
         calib_text: calibration text file (default: the packaged calibration.txt, if present).
         calib_tokens: calibration tokens used at most.
@@ -103,8 +106,9 @@ def quantize_model(
     # Validate the flags before any loading.
     QuantSpec(method, group_size, grid, duo=duo, clip_grid=clip_grid, router_weighted=router_weighted, layout=layout)
     generation = generation if generation is not None else NO_GENERATION
-    loaded = build_dense(model_dir)
     out = Path(out_dir).expanduser()
+    check_out(out)
+    loaded = build_dense(model_dir)
     if out.resolve() == loaded.checkpoint.dir.resolve():
         raise ValueError(f"out_dir {str(out)!r} is the model folder itself; choose another folder")
     spec = QuantSpec(
@@ -369,6 +373,20 @@ def _config(loaded: LoadedModel, spec: QuantSpec, report: dict[str, Any]) -> dic
     return config
 
 
+def check_out(out: Path) -> None:
+    """Refuse a draft folder that could not be written, before the work: a file in its place, or a
+    nearest existing folder above it that this process cannot write into.
+
+    Raises:
+        ValueError: naming ``out`` and what is wrong.
+    """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} is a file; the draft is a folder")
+    above = next(p for p in (out, *out.parents) if p.exists())
+    if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {str(out)!r}: {str(above)!r} is not a folder this process can write into")
+
+
 def _write(
     loaded: LoadedModel,
     out: Path,
@@ -376,16 +394,36 @@ def _write(
     config: dict[str, Any],
     report: dict[str, Any],
 ) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.safetensors"):
-        stale.unlink()
-    save_file(
-        {k: t.contiguous() for k, t in tensors.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for path in loaded.checkpoint.dir.iterdir():
-        if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(path, out / path.name)
-    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    """Write the draft into a folder beside ``out``, then put it in ``out``'s place: a run that fails,
+    is interrupted or killed while it writes leaves ``out`` as it was (an earlier draft there whole)
+    and, but for a kill, no partial folder. What else ``out`` held stays, an earlier draft's weights
+    and index aside. Between the two renames of the swap (microseconds) ``out`` is briefly absent."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
+    try:
+        save_file(
+            {k: t.contiguous() for k, t in tensors.items()},
+            str(staging / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in loaded.checkpoint.dir.iterdir():
+            if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(path, staging / path.name)
+        (staging / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        if not out.exists():
+            staging.rename(out)
+            return
+        for path in out.iterdir():  # kept: what is not the draft's own
+            if (staging / path.name).exists() or path.name in _NOT_COPIED or path.name.endswith(_WEIGHT_SUFFIXES):
+                continue
+            if path.is_dir():
+                shutil.copytree(path, staging / path.name, symlinks=True)
+            else:
+                shutil.copy2(path, staging / path.name, follow_symlinks=False)
+        old = out.rename(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

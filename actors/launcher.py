@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -55,9 +56,20 @@ class EngineHandle:
     cut_short: bool = False  # a request whose caller stopped waiting (Ctrl-C) may still run in the actors
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> dict[str, Any]:
-        """``{"tokens", "stats"}`` for one prompt (``VerifierActor.generate``'s options)."""
+        """``{"tokens", "stats"}`` for one prompt (``VerifierActor.generate``'s options).
+
+        Raises:
+            ValueError: the verifier refused the request (its own message, without Ray's wrapping
+                and the actor's traceback).
+        """
         self.cut_short = True
-        out = ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
+        try:
+            out = ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
+        except RayTaskError as exc:
+            self.cut_short = False
+            if isinstance(exc.cause, ValueError):
+                raise ValueError(str(exc.cause)) from None
+            raise
         self.cut_short = False
         return out
 

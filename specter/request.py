@@ -190,13 +190,22 @@ def host_state(target: OffloadedTarget) -> tuple[int, float, float]:
 def check_request(target: OffloadedTarget, prompt_ids: list[int], max_new_tokens: int, window: int = 0) -> None:
     """Reject a request the model cannot serve, naming the field, before any work."""
     config = target.model.config
+    check_prompt(prompt_ids, max_new_tokens, window, config.vocab_size, getattr(config, "max_position_embeddings", None))
+
+
+def check_prompt(prompt_ids: list[int], max_new_tokens: int, window: int, vocab_size: int, context: int | None) -> None:
+    """``check_request`` on the model config's figures (``vocab_size``, ``max_position_embeddings``):
+    what the command line checks before it loads a model or launches a replica.
+
+    Raises:
+        ValueError: naming the field (``prompt``, ``max_new_tokens``) and what it must be.
+    """
     if not prompt_ids:
         raise ValueError("prompt: must hold at least one token")
-    if any(not isinstance(t, int) or not 0 <= t < config.vocab_size for t in prompt_ids):
-        raise ValueError(f"prompt: token ids must be integers in [0, {config.vocab_size})")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-    context = getattr(config, "max_position_embeddings", None)
     # The verify pass may run up to K positions past the last committed token.
     need = len(prompt_ids) + max_new_tokens + window
     if context is not None and need > context:

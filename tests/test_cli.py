@@ -116,6 +116,31 @@ def test_ctrl_c_or_sigterm_ends_a_command_with_its_status_and_one_line(tiny_dir,
     assert signal.getsignal(signal.SIGTERM) is sigterm
 
 
+@pytest.mark.parametrize("where", [[], ["--address", "none"], ["--processes"]])
+def test_a_request_past_the_context_is_refused_before_a_model_loads_or_a_replica_starts(tiny_dir, capsys, monkeypatch,
+                                                                                        where):
+    """``--max-new-tokens`` past the model's context (from its config.json) is refused in one line
+    naming the flag, before the model loads in process, the actors launch or the role processes
+    start (a large model: minutes of each); before, only the engine said so, after all of that."""
+    import actors.client
+    import specter.remote.processes
+    from specter.target import OffloadedTarget
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the request was checked")
+
+    monkeypatch.setattr(OffloadedTarget, "load", no_work)
+    monkeypatch.setattr(actors.client.Client, "__init__", no_work)
+    monkeypatch.setattr(specter.remote.processes, "launch_processes", no_work)
+    model = tiny_dir("mixtral")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert main(["generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-new-tokens", str(context),
+                 *where]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("specter: error: max_new_tokens: prompt (3 tokens)")
+    assert f"exceeds the model's context of {context} positions" in err
+
+
 def test_budget_below_minimum_is_refused(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1", "--budget", "0.05"]) == 1
     assert "minimum is 2 slots" in capsys.readouterr().err

@@ -119,6 +119,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
                             read_config_dict(resolve_model_dir(args.model)))
+    _check_prompt(args, parser, window)
     budget = None
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
@@ -254,6 +255,20 @@ def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, token
     if max(args.prompt_ids) >= vocab:
         parser.error(f"argument --prompt-ids: token id {max(args.prompt_ids)} is outside the vocabulary (size {vocab})")
     return list(args.prompt_ids)
+
+
+def _check_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser, window: int) -> None:
+    """The request against the model's config before anything loads (a large model loads for minutes,
+    and a replica launches as long): the engine's own check (``check_request``), made early."""
+    from specter.request import check_prompt
+    from specter.target import load_tokenizer
+
+    model = resolve_model_dir(args.model)
+    config = read_config_dict(model)
+    tokenizer = load_tokenizer(model) if args.prompt is not None else None
+    vocab = int(config["vocab_size"])
+    check_prompt(_prompt_ids(args, parser, tokenizer, vocab), args.max_new_tokens, window, vocab,
+                 config.get("max_position_embeddings"))
 
 
 def _eos(model: str) -> int | None:

@@ -171,6 +171,20 @@ def test_streams_of_a_drafting_policy_are_batched_with_their_drafts_and_each_is_
     assert engine.link_counters()["rejected"] == 0
 
 
+def test_a_request_the_verifier_refuses_is_its_own_one_line_value_error(engine) -> None:
+    """The verifier's refusal (a request past the model's context) reaches the caller as a
+    ``ValueError`` with its message alone; before, Ray's wrapping came with it (the actor's name and
+    pid, its traceback), and ``specter generate --address`` printed all of that after "specter:
+    error:". The replica serves on."""
+    with pytest.raises(ValueError) as caught:
+        engine.generate(PROMPT, 10**6, policy="demand-lru", window=0)
+    assert type(caught.value) is ValueError
+    text = str(caught.value)
+    assert text.startswith("max_new_tokens: prompt") and "exceeds the model's context" in text
+    assert "\n" not in text and "ray::" not in text
+    assert len(engine.generate(PROMPT, 4, policy="demand-lru", window=0)["tokens"]) == 4
+
+
 def test_a_sealed_replica_has_no_names_to_leak_and_shutdown_leaves_no_actor(engine) -> None:
     names, ipc_dir, prefix = list(engine.names), engine.ipc_dir, engine.prefix
     assert len(names) == 3 and ipc_dir

@@ -8,8 +8,10 @@ commands that use them (each 0.5-7 s to import here): `specter --help` costs tor
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -257,6 +259,34 @@ def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, token
     return list(args.prompt_ids)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go, as Serve's proxy will, before Ray starts: a port in use or
+    an address not of this machine is said in one line here, not in Ray's traceback from inside its
+    proxy 14 s later (port 0: the system picks one, nothing to check).
+
+    Raises:
+        ValueError: naming ``--port`` or ``--host`` and what to do.
+    """
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host: {host!r} does not resolve ({exc.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port: {host}:{port} is in use by another program; stop it or pick another "
+                                 "--port") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host: {host} is not an address of this machine") from None
+            raise ValueError(f"--port: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
 def _check_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser, window: int) -> None:
     """The request against the model's config before anything loads (a large model loads for minutes,
     and a replica launches as long): the engine's own check (``check_request``), made early."""
@@ -366,6 +396,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not is_loopback(args.host) and api_key is None:
         parser.error(f"argument --host: {args.host} is reachable from other machines; give --api-key KEY "
                      f"(or set {API_KEY_ENV}) so that only clients with the key are answered")
+    _check_port(args.host, args.port)
     model = resolve_model_dir(args.model)
     config = read_config_dict(model)
     default_draft(args)

@@ -118,3 +118,26 @@ def test_ctrl_c_or_sigterm_while_the_server_starts_stops_it_there(tmp_path, how,
     assert code == status, text[-3000:]
     assert text.strip().splitlines()[-1] == f"specter: {word}"
     assert READY not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_serve_on_a_port_in_use_or_a_foreign_address_says_so_in_one_line_before_ray_starts(capsys, monkeypatch):
+    """A port another program listens on, or a ``--host`` that is not this machine's, is told in one
+    line (status 1) before Ray starts; before, Ray's traceback from inside Serve's proxy, 14 s later."""
+    import socket
+
+    import actors.cluster
+    from specter.cli import main
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started before the port was checked")
+
+    monkeypatch.setattr(actors.cluster, "init_ray", no_ray)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"specter: error: --port: 127.0.0.1:{port} is in use by another program; stop it or pick another --port"
+    assert main(["serve", "--port", str(port), "--host", "192.0.2.77", "--api-key", "k"]) == 1  # TEST-NET-1
+    assert capsys.readouterr().err.strip() == "specter: error: --host: 192.0.2.77 is not an address of this machine"

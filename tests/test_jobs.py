@@ -99,6 +99,17 @@ def test_results_file_that_is_not_ours_is_refused(tmp_path) -> None:
         ResultsFile(out)
 
 
+def test_a_results_path_that_cannot_be_a_results_file_is_one_line_naming_it(tmp_path) -> None:
+    """A folder, or a path under a file, is refused with a ``ValueError`` naming it (``specter batch``
+    prints it in one line, before Ray starts); before, ``IsADirectoryError``'s traceback."""
+    with pytest.raises(ValueError, match=r"is a folder; name a file in it") as caught:
+        ResultsFile(tmp_path)
+    assert str(tmp_path) in str(caught.value)
+    (tmp_path / "plain").write_text("")
+    with pytest.raises(ValueError, match=r"plain is a file, not a folder"):
+        ResultsFile(tmp_path / "plain" / "results.jsonl")
+
+
 def test_errors_go_next_to_the_results(tmp_path) -> None:
     out = tmp_path / "results.jsonl"
     append_error(out, {"id": "x", "error": "boom"})

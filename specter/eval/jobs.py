@@ -134,13 +134,27 @@ class ResultsFile:
     """The append-only results JSONL: finished ids, one atomic fsynced line per result."""
 
     def __init__(self, path: str | Path):
+        """Open (or create, with its folders) the results file and read the ids already in it.
+
+        Raises:
+            ValueError: ``path`` is a folder, cannot be read or written, or holds a line that is not a
+                result (each names the path).
+        """
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: set[str] = set()
         self.repaired = 0  # bytes of a torn last line cut off
-        if self.path.exists():
-            self._load()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self.path.is_dir():
+            raise ValueError(f"results {self.path}: is a folder; name a file in it (e.g. {self.path / 'results.jsonl'})")
+        above = next(p for p in self.path.parents if p.exists())
+        if not above.is_dir():
+            raise ValueError(f"results {self.path}: {above} is a file, not a folder")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._load()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ValueError(f"results {self.path}: cannot write it ({exc.strerror or exc})") from None
 
     def _load(self) -> None:
         data = self.path.read_bytes()

@@ -517,8 +517,8 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else ""
     stopped = ""
     if report.interrupted:
-        stopped = f"{stopped_word(report.interrupted)}, {report.left} left" + (f" ({report.running} given up while running)" if report.running
-                                                         else "") + "; "
+        running = f" ({report.running} given up while running)" if report.running else ""
+        stopped = f"{stopped_word(report.interrupted)}, {report.left} left{running}; "
     print(f"specter batch: {stopped}{report.finished} finished, {report.failed} failed, {report.skipped} skipped "
           f"(done before), {report.restarts} replica restart(s), {report.tokens} tokens in {wall:.1f}s "
           f"({report.tokens / max(wall, 1e-9):.1f} tok/s){chooser} -> {args.out}", file=sys.stderr)

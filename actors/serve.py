@@ -30,7 +30,7 @@ from specter.config import LinkConfig, SlotConfig
 from specter.models.checkpoint import read_config_dict
 from specter.serving.api import Model
 from specter.serving.app import DEFAULT_MAX_QUEUE, MAX_BODY, Settings, build_app
-from specter.signals import Terminated
+from specter.signals import raise_for
 from specter.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
 
     def on_signal(signum: int, frame: Any) -> None:
         if not up.is_set():
-            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+            raise_for(signum)
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

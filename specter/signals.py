@@ -34,6 +34,14 @@ def raise_terminated(signum: int, frame: Any) -> NoReturn:
     raise Terminated
 
 
+def raise_for(signum: int) -> NoReturn:
+    """What a handler raises to stop at once on ``signum``: ``Terminated`` for SIGTERM (remembered for
+    ``signal_of``), else ``KeyboardInterrupt``."""
+    if signum == signal.SIGTERM:
+        raise_terminated(signum, None)
+    raise KeyboardInterrupt
+
+
 def signal_of(exc: KeyboardInterrupt) -> int:
     """The signal behind ``exc``: SIGTERM for ``Terminated``, and for a ``KeyboardInterrupt`` once a
     SIGTERM was seen (Ray's ``ray.get`` turns whatever its wait's signal check raised into a plain

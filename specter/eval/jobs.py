@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from specter.signals import Terminated
+from specter.signals import raise_for
 
 MAX_NEW_TOKENS_CAP = 1 << 20  # "absurd" beyond this: refused on the line, not after hours of work
 
@@ -271,7 +271,7 @@ def interrupts() -> Iterator[StopSignal]:
 
     def on_signal(signum: int, frame: Any) -> None:
         if stop.is_set():
-            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+            raise_for(signum)
         stop.signum = signum
         stop.set()
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"

@@ -4,8 +4,8 @@ Each replica (a trio of actors, ``actors.launcher.launch``) holds at most one re
 replica never holds the others back. A request that fails because of its input (the verifier
 raises ``ValueError``) is recorded in the errors file; one that fails because a replica broke (an
 actor died, a peer went silent past its timeout, the request ran past ``request_timeout_s``) gets
-the replica torn down and relaunched and is retried, up to ``retries`` times. Ctrl-C or SIGTERM stops
-the loop within its wait (``interrupts``): the running requests are given up with their replicas, and the
+the replica torn down and relaunched and is retried, up to ``retries`` times. Ctrl-C, SIGTERM or SIGHUP
+stops the loop within its wait (``interrupts``): the running requests are given up with their replicas, and the
 report says so (``interrupted``, ``left``, ``running``).
 """
 
@@ -65,7 +65,7 @@ class BatchReport:
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
     chooser: dict[str, Any] | None = None  # the K chooser's state of most requests (``BatchOptions.chooser``)
-    interrupted: int = 0  # the signal that stopped the run (SIGINT: Ctrl-C, SIGTERM); 0: it ran to its end
+    interrupted: int = 0  # the signal that stopped the run (SIGINT: Ctrl-C, SIGTERM, SIGHUP); 0: it ran to its end
     left: int = 0  # prompts not run when it stopped, the running ones included
     running: int = 0  # of them, those given up while running
 
@@ -133,7 +133,7 @@ def run_batch(
                         f"request {item.id!r} ran past --request-timeout {options.request_timeout_s:.0f}s")
                     _fault(replica, item, attempt, error, options, out, report, todo, driver, progress, launcher)
             running = sum(r.busy is not None for r in replicas)
-            if todo or running:  # Ctrl-C or SIGTERM (``stop``): what still runs is given up with its replica
+            if todo or running:  # Ctrl-C, SIGTERM or SIGHUP (``stop``): what still runs is given up with its replica
                 report.interrupted, report.running, report.left = stop.signum, running, len(todo) + running
         driver.set("specter_queue_depth", 0)
     finally:

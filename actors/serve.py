@@ -4,15 +4,15 @@ front of one engine replica (the three actors of ``actors/launcher.py``).
 The deployment's replica launches the actors in its constructor and builds the FastAPI app around a
 ``VerifierBackend``: each request is one call to ``VerifierActor.stream`` (Ray's streaming generator:
 the tokens of each round as they commit), a client gone is a ``VerifierActor.cancel``. Serve's HTTP
-proxy listens where ``--host``/``--port`` say (loopback by default). ``serve`` blocks until Ctrl-C or
-SIGTERM, then deletes the application (its replica shuts the actors down) and stops the Ray it started.
+proxy listens where ``--host``/``--port`` say (loopback by default). ``serve`` blocks until Ctrl-C,
+SIGTERM or SIGHUP (the terminal closed), then deletes the application (its replica shuts the actors
+down) and stops the Ray it started.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +30,7 @@ from specter.config import LinkConfig, SlotConfig
 from specter.models.checkpoint import read_config_dict
 from specter.serving.api import Model
 from specter.serving.app import DEFAULT_MAX_QUEUE, MAX_BODY, Settings, build_app
-from specter.signals import raise_for
+from specter.signals import handling, raise_for
 from specter.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -172,11 +172,13 @@ def deployment(options: ServeOptions) -> Any:
 def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], None] | None = None,
         stop: threading.Event | None = None, keep: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Start Serve's proxy on ``host:port`` and the application (Ray must be initialized), then block
-    until ``stop`` is set or SIGINT/SIGTERM arrives; delete the application on the way out.
+    until ``stop`` is set or SIGINT, SIGTERM or SIGHUP arrives (``specter.signals.handling``: one the
+    process ignores stays ignored); delete the application on the way out.
 
-    SIGINT/SIGTERM before ``serve.run`` says the application is up (its replica loads the model:
-    minutes for a large one) raise ``KeyboardInterrupt``/``Terminated`` there and then, and what was started is
-    deleted; once it is up they set ``stop``, and the running requests finish first (``deployment``).
+    A signal before ``serve.run`` says the application is up (its replica loads the model: minutes
+    for a large one) raises ``KeyboardInterrupt`` (SIGINT) or ``Terminated`` there and then, and what
+    was started is deleted; once it is up it sets ``stop``, and the running requests finish first
+    (``deployment``).
 
     ``keep``: given, it is handed the replica's ``SpecterServer.kept`` every ``KEEP_EVERY_S`` and once
     more before the application is deleted (``specter serve`` writes the K choosers to its store); when
@@ -189,22 +191,20 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
             raise_for(signum)
         stop.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.start(http_options={"host": host, "port": port}, detached=False)
-        serve.run(deployment(options), name=APP_NAME, route_prefix="/", blocking=False)
-        up.set()
-        url = f"http://{host}:{port}"
-        if on_ready is not None:
-            on_ready(url)
-        kept_at = time.monotonic()
-        while not stop.wait(0.5):
-            if keep is not None and time.monotonic() - kept_at >= KEEP_EVERY_S:
-                _keep(keep)
-                kept_at = time.monotonic()
+        with handling(on_signal):  # back to the previous handlers before the application is deleted
+            serve.start(http_options={"host": host, "port": port}, detached=False)
+            serve.run(deployment(options), name=APP_NAME, route_prefix="/", blocking=False)
+            up.set()
+            url = f"http://{host}:{port}"
+            if on_ready is not None:
+                on_ready(url)
+            kept_at = time.monotonic()
+            while not stop.wait(0.5):
+                if keep is not None and time.monotonic() - kept_at >= KEEP_EVERY_S:
+                    _keep(keep)
+                    kept_at = time.monotonic()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if keep is not None:
             _keep(keep, KEEP_TIMEOUT_S if up.is_set() else KEEP_STARTING_S, quiet=not up.is_set())
         try:

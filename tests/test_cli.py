@@ -87,12 +87,14 @@ def test_the_command_ends_with_mains_status_its_output_flushed_and_the_exit_hand
 
 
 @pytest.mark.parametrize(("signum", "status", "word"), [(signal.SIGINT, 130, "interrupted"),
-                                                        (signal.SIGTERM, 143, "terminated")])
-def test_ctrl_c_or_sigterm_ends_a_command_with_its_status_and_one_line(tiny_dir, capsys, monkeypatch, signum, status,
-                                                                        word):
-    """Ctrl-C (SIGINT) or SIGTERM (``kill``, ``ray job stop``), a real signal inside a command: status
-    128 + the signal (as a shell gives one the signal killed), one line on stderr and no traceback, no
-    result printed, what the command opened closed on the way out, and SIGTERM's handler back after."""
+                                                        (signal.SIGTERM, 143, "terminated"),
+                                                        (signal.SIGHUP, 129, "hung up")])
+def test_ctrl_c_sigterm_or_sighup_ends_a_command_with_its_status_and_one_line(tiny_dir, capsys, monkeypatch, signum,
+                                                                               status, word):
+    """Ctrl-C (SIGINT), SIGTERM (``kill``, ``ray job stop``) or SIGHUP (the terminal closed), a real
+    signal inside a command: status 128 + the signal (as a shell gives one the signal killed), one line
+    on stderr and no traceback, no result printed, what the command opened closed on the way out, and
+    the SIGTERM and SIGHUP handlers back after."""
     from specter.engine import Engine
     from specter.target import OffloadedTarget
 
@@ -107,13 +109,13 @@ def test_ctrl_c_or_sigterm_ends_a_command_with_its_status_and_one_line(tiny_dir,
         raise AssertionError(f"signal {signum} did not stop the command")
 
     monkeypatch.setattr(Engine, "generate_fresh", signalled)
-    sigterm = signal.getsignal(signal.SIGTERM)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     capsys.readouterr()
     assert main(["generate", "--model", str(tiny_dir("mixtral")), "--prompt-ids", "1,2,3", "--json"]) == status
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip().splitlines()[-1] == f"specter: {word}"
     assert "Traceback" not in captured.err and len(closed) == 1
-    assert signal.getsignal(signal.SIGTERM) is sigterm
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
 @pytest.mark.parametrize("where", [[], ["--address", "none"], ["--processes"]])

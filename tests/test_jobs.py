@@ -20,7 +20,7 @@ from specter.eval.jobs import (
     parse_line,
     read_batch,
 )
-from specter.signals import Terminated
+from specter.signals import Terminated, signal_of
 
 
 def _parse(text: str):
@@ -128,12 +128,13 @@ def test_progress_line_counts_rate_and_eta() -> None:
 
 
 @pytest.mark.parametrize(("signum", "raised", "name"), [(signal.SIGINT, KeyboardInterrupt, "Ctrl-C"),
-                                                       (signal.SIGTERM, Terminated, "SIGTERM")])
-def test_ctrl_c_or_sigterm_in_a_job_is_a_flag_then_a_second_one_interrupts(capsys, signum, raised, name) -> None:
-    """Inside ``interrupts`` the first SIGINT or SIGTERM only sets the event, saying which (the job
-    stops between prompts, and says so on stderr); a second raises (``Terminated`` for SIGTERM); both
-    handlers are back afterwards."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+                                                       (signal.SIGTERM, Terminated, "SIGTERM"),
+                                                       (signal.SIGHUP, Terminated, "SIGHUP (the terminal closed)")])
+def test_ctrl_c_sigterm_or_sighup_in_a_job_is_a_flag_then_a_second_one_interrupts(capsys, signum, raised, name) -> None:
+    """Inside ``interrupts`` the first SIGINT, SIGTERM or SIGHUP only sets the event, saying which (the
+    job stops between prompts, and says so on stderr); a second raises (``Terminated`` for SIGTERM and
+    SIGHUP); the handlers are back afterwards."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with interrupts() as stop:
         os.kill(os.getpid(), signum)
         for _ in range(1000):  # the handler runs between two bytecodes of this thread
@@ -145,7 +146,7 @@ def test_ctrl_c_or_sigterm_in_a_job_is_a_flag_then_a_second_one_interrupts(capsy
             os.kill(os.getpid(), signum)
             for _ in range(1000):
                 pass
-        assert type(caught.value) is raised
+        assert type(caught.value) is raised and signal_of(caught.value) == signum
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 

@@ -2,8 +2,8 @@
 
 Bad flags exit with status 2 and one line naming the flag; load errors exit with status 1 and
 one line naming the thing at fault; Ctrl-C (SIGINT) exits with status 130 and one line ("specter:
-interrupted"), SIGTERM (``kill``, ``ray job stop``) with 143 ("specter: terminated"), once what the
-command started (Ray, the actors, the role processes) is stopped (``specter.signals``). None prints a
+interrupted"), SIGTERM (``kill``, ``ray job stop``) with 143 ("specter: terminated"), SIGHUP (the
+terminal closed) with 129 ("specter: hung up"), once what the command started (Ray, the actors, the role processes) is stopped (``specter.signals``). None prints a
 traceback. ``batch`` stops between prompts and keeps what finished; a running ``serve`` stops with 0
 (``actors/serve.py``).
 
@@ -25,9 +25,17 @@ import sys
 from typing import NoReturn
 
 from specter.cli.args import build_parser
-from specter.signals import INTERRUPTED, TERMINATED, exit_status, signal_of, stopped_word, terminating
+from specter.signals import (
+    HUNG_UP,
+    INTERRUPTED,
+    TERMINATED,
+    exit_status,
+    signal_of,
+    stopped_word,
+    terminating,
+)
 
-__all__ = ["INTERRUPTED", "TERMINATED", "build_parser", "entry", "main"]
+__all__ = ["HUNG_UP", "INTERRUPTED", "TERMINATED", "build_parser", "entry", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:

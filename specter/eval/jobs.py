@@ -5,8 +5,8 @@ Input lines are ``{"id", "prompt"}`` objects with optional ``max_new_tokens``, `
 ``write`` and fsynced before the next prompt is handed out, so a killed job leaves at most one
 torn last line, which ``ResultsFile`` cuts off on resume. Ids already in the results file are
 skipped; ``ResultsFile.append`` refuses an id twice. Prompts that fail go to ``<out>.errors.jsonl``
-(and are retried by the next run). Ctrl-C or SIGTERM stops a job between prompts (``interrupts``):
-what finished stays, and the same command goes on from it.
+(and are retried by the next run). Ctrl-C, SIGTERM or SIGHUP stops a job between prompts
+(``interrupts``): what finished stays, and the same command goes on from it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from specter.signals import raise_for
+from specter.signals import handling, raise_for, signal_name
 
 MAX_NEW_TOKENS_CAP = 1 << 20  # "absurd" beyond this: refused on the line, not after hours of work
 
@@ -249,7 +248,7 @@ def _duration(seconds: float) -> str:
 
 
 class StopSignal(threading.Event):
-    """Set by the first SIGINT or SIGTERM inside ``interrupts``; ``signum`` says which (0 until then)."""
+    """Set by the first SIGINT, SIGTERM or SIGHUP inside ``interrupts``; ``signum`` says which (0 until then)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -258,29 +257,24 @@ class StopSignal(threading.Event):
 
 @contextlib.contextmanager
 def interrupts() -> Iterator[StopSignal]:
-    """Ctrl-C (SIGINT) or SIGTERM (``kill``, ``ray job stop``) as a request to stop between prompts:
-    while inside, the first one sets the event (the job's loop sees it within its wait, gives up the
-    prompts still running — the next run does them — and returns); a second raises
-    ``KeyboardInterrupt`` (``Terminated`` for SIGTERM), for a job that does not stop soon enough. Both
-    handlers are back afterwards. Outside the main thread, where no handler can be set, the event is
-    never set and the signals keep their handlers."""
+    """Ctrl-C (SIGINT), SIGTERM (``kill``, ``ray job stop``) or SIGHUP (the terminal closed) as a
+    request to stop between prompts: while inside, the first one sets the event (the job's loop sees it
+    within its wait, gives up the prompts still running — the next run does them — and returns); a
+    second raises ``KeyboardInterrupt`` (``Terminated`` for SIGTERM and SIGHUP), for a job that does
+    not stop soon enough. ``specter.signals.handling``'s rules: a signal the process ignores stays
+    ignored (``nohup``), the handlers are back afterwards, and outside the main thread, where no
+    handler can be set, the event is never set."""
     stop = StopSignal()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
 
     def on_signal(signum: int, frame: Any) -> None:
         if stop.is_set():
             raise_for(signum)
         stop.signum = signum
         stop.set()
-        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        print(f"\n[batch] {name}: stopping; prompts still running are left to the next run ({name} again: at once)",
-              file=sys.stderr, flush=True)
+        name = signal_name(signum)
+        with contextlib.suppress(OSError):  # stderr gone (a pipe closed): the stop goes on
+            print(f"\n[batch] {name}: stopping; prompts still running are left to the next run "
+                  f"({name.split(' ')[0]} again: at once)", file=sys.stderr, flush=True)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with handling(on_signal):
         yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -203,7 +203,8 @@ def _serve(path: str, args: tuple[Any, ...], kwargs: dict[str, Any], conn: Conne
 
     os.environ.clear()  # the driver's, not the fork server's (which has the driver's of its own start)
     os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the driver stops us
+    for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup reaches the whole group: the driver stops us
+        signal.signal(sig, signal.SIG_IGN)
     setup_process()
     module, name = path.rsplit(".", 1)
     try:

@@ -1,16 +1,22 @@
-"""`specter batch` end to end on the shipped model: text in, results out, bad lines, resume."""
+"""`specter batch` end to end on the shipped model: text in, results out, bad lines, resume, a terminal
+that closes under it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specter.assets import ASSETS
+from specter.eval.jobs import ResultsFile
 
 MODEL, DRAFT = ASSETS / "moe-fine", ASSETS / "moe-fine-awq"
 NEW = 6
@@ -80,3 +86,40 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> No
     assert {row["id"]: row["tokens"] for row in map(json.loads, (tmp_path / "again.jsonl").read_text().splitlines())} \
         == {ident: row["tokens"] for ident, row in rows.items()}
     assert json.loads(next(cache.iterdir()).read_text())["chooser"]["requests"] == 6
+
+
+BOOT = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])"
+
+
+def test_a_closed_terminal_stops_specter_batch_between_prompts_and_keeps_its_chooser(tmp_path) -> None:
+    """``specter batch`` in a terminal that closes (a window, an ssh connection that dropped; here the
+    pty's master side closed once the first result is in): the kernel hangs the terminal up and sends
+    SIGHUP. The batch stops between prompts as on Ctrl-C — status 129, the finished results kept for
+    the next run, the K chooser saved — where before the signal killed it on the spot (the chooser
+    lost), and its last lines, which the dead terminal would refuse, do not end it in an error."""
+    src, out, cache = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl", tmp_path / "choosers"
+    total = 24
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"def step_{i}(x):"}) + "\n" for i in range(total)))
+    master, slave = pty.openpty()
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    command = [sys.executable, "-m", "specter.cli", *_args(str(src), "--out", str(out), "--chooser-cache", str(cache))]
+    # the command leads a session of its own with the pty as its controlling terminal, as a terminal starts one
+    proc = subprocess.Popen([sys.executable, "-c", BOOT, *command], stdin=slave, stdout=slave, stderr=slave, env=env,
+                            start_new_session=True)
+    os.close(slave)
+    shown = bytearray()  # what the terminal showed: read on, or the command blocks on a full terminal
+    deadline = time.monotonic() + 600
+    try:
+        while not (out.exists() and out.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):
+                    shown += os.read(master, 65536)
+    finally:
+        os.close(master)  # the terminal closes: SIGHUP to the command, which leads its session
+    code = proc.wait(timeout=120)
+    assert code == 129, f"status {code}; the terminal showed:\n{shown.decode(errors='replace')[-3000:]}"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 1 <= len(rows) < total and len({row["id"] for row in rows}) == len(rows)
+    assert ResultsFile(out).done == {row["id"] for row in rows}  # what the next run skips
+    [kept] = list(cache.iterdir())
+    assert json.loads(kept.read_text())["chooser"]["requests"] >= len(rows)

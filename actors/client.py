@@ -9,7 +9,9 @@ already initialized. See ``actors/cluster.py``.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +65,16 @@ class Client:
         self, prompts: list[str] | list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int = 0, policy: str | None = None, window: int | None = None,
         eos_token_id: int | None = None, pipelined: bool | None = None, chooser: dict[str, Any] | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[dict[str, Any]]:
         """One ``{"text", "tokens", "stats"}`` per prompt (text is empty without a tokenizer).
 
         ``pipelined``: the draft drafts each next round while this one is verified (None: the
         verifier's default, on). ``chooser``: a K chooser's state for the replica's first request to
         start from (``WindowChooser.state``'s; ``{}``: none); given, each result also carries the
-        chooser's state after its request as ``chooser`` (``VerifierRole.generate``)."""
+        chooser's state after its request as ``chooser`` (``VerifierRole.generate``). ``on_tokens``:
+        given, called with the prompt's index and each step's or round's tokens as they commit (the
+        prompts run one after another)."""
         if isinstance(prompts, str | bytes) or not isinstance(prompts, list | tuple):
             raise TypeError(f"prompts: expected a list of strings or of token-id lists, got {type(prompts).__name__}")
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]  # all checked before any work
@@ -77,11 +82,13 @@ class Client:
         extra: dict[str, Any] = {} if pipelined is None else {"pipelined": pipelined}
         if chooser is not None:
             extra["chooser"] = chooser
-        for ids in encoded:
-            out = self.handle.generate(
-                ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                window=window, policy=policy, eos_token_id=eos_token_id, **extra,
-            )
+        for index, ids in enumerate(encoded):
+            options = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, window=window, policy=policy,
+                           eos_token_id=eos_token_id, **extra)
+            if on_tokens is None:
+                out = self.handle.generate(ids, max_new_tokens, **options)
+            else:
+                out = self.handle.stream(ids, max_new_tokens, functools.partial(on_tokens, index), **options)
             text = self.tokenizer.decode(out["tokens"]) if self.tokenizer is not None else ""
             results.append({"text": text, "tokens": out["tokens"], "stats": out["stats"]}
                            | ({"chooser": out["chooser"]} if "chooser" in out else {}))

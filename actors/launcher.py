@@ -1,8 +1,8 @@
 """Launch the three actors of one engine replica in a placement group, wired and handshaken.
 
-``launch`` returns an ``EngineHandle``: ``generate`` (one Ray call per request) and ``shutdown``
-(actors closed and killed, sockets closed, ipc directory removed, shared memory unlinked,
-placement group removed). Once wired, a replica is *sealed* (``TransferActor.seal``): its shared
+``launch`` returns an ``EngineHandle``: ``generate`` (one Ray call per request; ``stream``, the same
+handing out the tokens as they commit) and ``shutdown`` (actors closed and killed, sockets closed,
+ipc directory removed, shared memory unlinked, placement group removed). Once wired, a replica is *sealed* (``TransferActor.seal``): its shared
 memory and ipc directory have no names left, so a crash anywhere leaves nothing behind.
 """
 
@@ -13,9 +13,11 @@ import math
 import os
 import secrets
 import shutil
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 import torch
@@ -67,11 +69,29 @@ class EngineHandle:
             out = ray.get(self.verifier.generate.remote(prompt_ids, max_new_tokens, **options))
         except RayTaskError as exc:
             self.cut_short = False
-            if isinstance(exc.cause, ValueError):
-                raise ValueError(str(exc.cause)) from None
-            raise
+            _raise_refusal(exc)
         self.cut_short = False
         return out
+
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, on_tokens: Callable[[list[int]], None],
+               **options: Any) -> dict[str, Any]:
+        """``generate``, handing ``on_tokens`` each step's or round's tokens as the verifier commits them
+        (``VerifierActor.stream``); the same result, the same errors."""
+        self.cut_short = True
+        tokens: list[int] = []
+        try:
+            for ref in self.verifier.stream.remote(uuid.uuid4().hex, prompt_ids, max_new_tokens, **options):
+                chunk = ray.get(ref)
+                if chunk["tokens"]:
+                    tokens += chunk["tokens"]
+                    on_tokens(chunk["tokens"])
+                if "stats" in chunk:
+                    self.cut_short = False
+                    return {"tokens": tokens, "stats": chunk["stats"]} | ({"chooser": chunk["chooser"]} if "chooser" in chunk else {})
+        except RayTaskError as exc:
+            self.cut_short = False
+            _raise_refusal(exc)
+        raise RuntimeError(f"replica {self.replica}: the verifier's stream ended without its figures")
 
     def prepare_steps(self, window: int) -> dict[str, int]:
         """Every step shape of windows up to ``window`` made ready before a request runs one, in the
@@ -107,6 +127,14 @@ class EngineHandle:
         if os.path.isdir(self.ipc_dir):  # same node as the actors: sweep what a crash left
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
         unlink_prefix(self.prefix)
+
+
+def _raise_refusal(exc: RayTaskError) -> NoReturn:
+    """The verifier's refusal (a ``ValueError``) as its own message, without Ray's wrapping and the
+    actor's traceback; anything else as it came."""
+    if isinstance(exc.cause, ValueError):
+        raise ValueError(str(exc.cause)) from None
+    raise exc
 
 
 def launch(

@@ -213,3 +213,52 @@ def test_help_answers_without_importing_torch():
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+class _Terminal:
+    """A stdout that keeps each write apart."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_generate_prints_the_text_as_it_commits(monkeypatch, capsys) -> None:
+    """``specter generate`` writes the prompt and then each piece of text as the engine commits its
+    tokens, not all at the end: in all, the prompt, transformers' greedy text on the shipped model and a
+    newline, as the whole-text print wrote it. (Through ``--address`` and ``--processes`` the same
+    printer is fed by ``EngineHandle.stream`` and the verifier process's pipe: ``tests/actors``.)"""
+    from transformers import AutoTokenizer
+
+    from specter.assets import ASSETS
+    from specter.engine import Engine
+
+    model, prompt, new = ASSETS / "moe-fine", "def fibonacci(n):", 24
+    terminal = _Terminal()
+    written_at_commits: list[int] = []
+    generate_fresh = Engine.generate_fresh
+
+    def watched(self, *args, on_tokens=None, **kwargs):  # type: ignore[no-untyped-def]
+        def on_commit(tokens):  # type: ignore[no-untyped-def]
+            written_at_commits.append(len(terminal.pieces))
+            on_tokens(tokens)
+
+        return generate_fresh(self, *args, on_tokens=on_commit, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate_fresh", watched)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(["generate", "--model", str(model), "--prompt", prompt, "--max-new-tokens", str(new)]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ids = tokenizer.encode(prompt)
+    ref = AutoModelForCausalLM.from_pretrained(str(model), experts_implementation="eager", dtype=torch.float32)
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):].tolist()
+    assert "".join(terminal.pieces) == prompt + tokenizer.decode(want) + "\n"
+    assert terminal.pieces[0].startswith(prompt) and len(terminal.pieces) > 3
+    assert written_at_commits[-1] > 1  # pieces were out before the last tokens committed
+    assert "TPOT" in capsys.readouterr().err

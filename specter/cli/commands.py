@@ -127,14 +127,21 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     run = _through_processes if args.processes else _through_actors if args.address is not None else _in_process
     kept = _KeptChooser(args, window, sampling) if window else None
-    tokens, text, stats, state = run(args, parser, timing, budget, window, sampling, kept.state if kept else None)
+    printed = None if args.json else _Printed.of(args)
+    try:
+        tokens, text, stats, state = run(args, parser, timing, budget, window, sampling, kept.state if kept else None,
+                                         printed)
+    finally:
+        if printed is not None:
+            printed.end()
     if kept is not None:
         kept.save(state)
     if args.json:
         kept_from = {} if kept is None else {"chooser_kept_from": int(kept.state.get("requests", 0))}
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats} | kept_from))
         return 0
-    print((args.prompt or "") + text if text or args.prompt else " ".join(map(str, tokens)))
+    if printed is None or not printed.started:  # no tokenizer: the token ids
+        print((args.prompt or "") + text if text or args.prompt else " ".join(map(str, tokens)))
     spec = f", accepted {stats['mean_accepted']:.2f}/{window}, recall {stats['recall']:.2f}" if window else ""
     if stats.get("pipelined"):
         spec += f", pipelined: {stats['ahead_kept']}/{stats['ahead_asked']} rounds drafted ahead stood"
@@ -287,6 +294,54 @@ def _check_port(host: str, port: int) -> None:
             raise ValueError(f"--port: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
+class _Printed:
+    """``specter generate``'s text on stdout as the tokens commit (``on_tokens``): the prompt, then
+    each piece of text as it becomes final (``TextStream``), then a newline; in all, what printing the
+    whole text at the end printed. Only where the model has a tokenizer (``of``)."""
+
+    def __init__(self, prompt: str, tokenizer: Any):
+        from specter.serving.text import TextStream
+
+        self.prompt = prompt
+        self.text = TextStream(tokenizer, skip_special_tokens=False)
+        self.started = False  # something was written
+        self.ended = False
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> _Printed | None:
+        from specter.target import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model_dir(args.model))
+        return None if tokenizer is None else cls(args.prompt or "", tokenizer)
+
+    def __call__(self, tokens: list[int]) -> None:
+        self._write(self.text.add(list(tokens)))
+
+    def end(self) -> None:
+        """What was held back, then the newline — also when the request stopped early (Ctrl-C, an
+        error), so that what stderr says next starts a line of its own."""
+        if self.ended:
+            return
+        self.ended = True
+        self._write(self.text.finish())
+        if self.started:
+            self._write("\n")
+
+    def _write(self, piece: str) -> None:
+        if not piece:
+            return
+        if not self.started:
+            self.started = True
+            piece = self.prompt + piece
+        try:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left (``| head -1``): the rest goes nowhere, as it did when it came at the end
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+
+
 def _check_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser, window: int) -> None:
     """The request against the model's config before anything loads (a large model loads for minutes,
     and a replica launches as long): the engine's own check (``check_request``), made early."""
@@ -311,7 +366,7 @@ def _eos(model: str) -> int | None:
     return eos[0] if isinstance(eos, list) else eos
 
 
-def _in_process(args, parser, timing, budget, window, sampling, kept):  # type: ignore[no-untyped-def]
+def _in_process(args, parser, timing, budget, window, sampling, kept, printed):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
     from specter.engine import Engine
     from specter.eval.bench import FIXED_DRAFT_MODE
@@ -334,14 +389,17 @@ def _in_process(args, parser, timing, budget, window, sampling, kept):  # type: 
         if chooser is not None and kept:
             chooser = engine.policy.window_chooser_from(kept)
             engine.policy.use_window_chooser(chooser)
-        tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model))
+        tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model),
+                                              on_tokens=printed)
+        if printed is not None:  # the text's end now, not once the target is closed
+            printed.end()
     finally:
         target.close()
     text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
     return tokens, text, stats.to_dict(), chooser.state() if chooser is not None else None
 
 
-def _through_actors(args, parser, timing, budget, window, sampling, kept):  # type: ignore[no-untyped-def]
+def _through_actors(args, parser, timing, budget, window, sampling, kept, printed):  # type: ignore[no-untyped-def]
     """The three Ray actors (a local Ray, or a running cluster; with neither --link nor a profile, the
     cluster's link: ``cuda`` where it has a GPU)."""
     from actors.client import Client
@@ -356,11 +414,13 @@ def _through_actors(args, parser, timing, budget, window, sampling, kept):  # ty
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
                               window=window, eos_token_id=_eos(args.model), pipelined=args.pipeline,
-                              chooser=kept)[0]
+                              chooser=kept, on_tokens=None if printed is None else lambda _, tokens: printed(tokens))[0]
+        if printed is not None:  # the text's end now, not once the replica and Ray are stopped
+            printed.end()
     return out["tokens"], out["text"], out["stats"], out.get("chooser")
 
 
-def _through_processes(args, parser, timing, budget, window, sampling, kept):  # type: ignore[no-untyped-def]
+def _through_processes(args, parser, timing, budget, window, sampling, kept, printed):  # type: ignore[no-untyped-def]
     """The three roles as plain processes (``specter/remote/processes.py``), no Ray."""
     from specter.remote.processes import launch_processes
     from specter.target import load_tokenizer
@@ -379,7 +439,9 @@ def _through_processes(args, parser, timing, budget, window, sampling, kept):  #
             options["chooser"] = kept
         out = engine.generate(prompt_ids, args.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=sampling.seed, policy=args.policy, window=window,
-                              eos_token_id=_eos(args.model), **options)
+                              eos_token_id=_eos(args.model), on_tokens=printed, **options)
+        if printed is not None:  # the text's end now, not once the processes are stopped
+            printed.end()
     text = str(tokenizer.decode(out["tokens"])) if tokenizer is not None else ""
     return out["tokens"], text, out["stats"], out.get("chooser")
 

@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 from multiprocessing import forkserver
@@ -58,6 +58,7 @@ ROLES = {"transfer": "specter.remote.roles.transfer.TransferRole",
          "draft": "specter.remote.roles.draft.DraftRole"}
 PRELOAD = sorted({path.rsplit(".", 1)[0] for path in ROLES.values()})  # what the fork server imports once
 _POLL_S = 0.05  # how often a waiting call looks at the other processes
+_STREAM = "_stream_tokens"  # a call's keyword: the role's method hands its tokens back over the pipe as they come
 
 
 class RoleGone(ConnectionError):
@@ -101,9 +102,11 @@ class RoleProcess:
         self.started = True
 
     def call(self, method: str, *args: Any, timeout: float | None = None, watch: Sequence[RoleProcess] = (),
-             **kwargs: Any) -> Any:
+             on_tokens: Callable[[list[int]], None] | None = None, **kwargs: Any) -> Any:
         """``role.method(*args, **kwargs)`` in the process; its exception is raised here (as a watched
         role's ``RoleGone`` where one of them has ended: the exception followed from that).
+        ``on_tokens``: given, the method gets an ``on_tokens`` of its own that sends each list of
+        tokens it is handed over the pipe, and this one is called with them here as they come.
 
         Raises:
             RoleError: an earlier call's answer is still due (it timed out or was interrupted): the
@@ -115,10 +118,13 @@ class RoleProcess:
                                 f"out or was interrupted); it takes no more calls: stop this engine")
             self.awaiting = method
             try:
-                self.conn.send((method, args, kwargs))
+                self.conn.send((method, args, kwargs | ({_STREAM: True} if on_tokens is not None else {})))
             except (BrokenPipeError, OSError):
                 raise self._gone(f"before {method}") from None
             kind, value = self._receive(timeout, watch, method)
+            while kind == "tokens" and on_tokens is not None:
+                on_tokens(value)
+                kind, value = self._receive(timeout, watch, method)
             self.awaiting = None
         if kind == "ok":
             return value
@@ -228,6 +234,8 @@ def _serve(path: str, args: tuple[Any, ...], kwargs: dict[str, Any], conn: Conne
             break
         method, call_args, call_kwargs = message
         closed = closed or method == "close"
+        if call_kwargs.pop(_STREAM, False):
+            call_kwargs["on_tokens"] = lambda tokens: conn.send(("tokens", list(tokens)))
         try:
             conn.send(("ok", getattr(role, method)(*call_args, **call_kwargs)))
         except BaseException as exc:
@@ -256,9 +264,12 @@ class ProcessEngine:
     closed: bool = False
     roles: list[RoleProcess] = field(default_factory=list)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> dict[str, Any]:
-        """``{"tokens", "stats"}`` for one prompt (``VerifierRole.generate``'s options)."""
-        return self.call(self.verifier, "generate", list(prompt_ids), max_new_tokens, **options)  # type: ignore[no-any-return]
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, on_tokens: Callable[[list[int]], None] | None = None,
+                 **options: Any) -> dict[str, Any]:
+        """``{"tokens", "stats"}`` for one prompt (``VerifierRole.generate``'s options); ``on_tokens``:
+        given, called with each step's or round's tokens as the verifier commits them."""
+        return self.call(self.verifier, "generate", list(prompt_ids), max_new_tokens, on_tokens=on_tokens,  # type: ignore[no-any-return]
+                         **options)
 
     def prepare_steps(self, window: int, timeout_s: float | None = None) -> dict[str, int]:
         """Make every step shape of windows up to ``window`` ready before a request runs one (the

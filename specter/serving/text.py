@@ -12,12 +12,14 @@ class TextStream:
     """Text handed out as tokens arrive; together the pieces are the text of all tokens, up to a stop.
 
     Args:
-        tokenizer: decodes the tokens (special tokens, such as the end of text, are left out).
+        tokenizer: decodes the tokens.
         stops: strings that end the text where they first appear (not included), as OpenAI's ``stop``.
+        skip_special_tokens: leave special tokens, such as the end of text, out of the text (the API's
+            text); ``specter generate`` prints them, as its whole-text output always did.
     """
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()):
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.stops, self.skip_special_tokens = tokenizer, stops, skip_special_tokens
         self.tokens: list[int] = []
         self.sent = 0  # characters handed out
         self.stopped = False  # a stop string was found: nothing more comes
@@ -47,7 +49,7 @@ class TextStream:
         return self._take(self._decode(), None)
 
     def _decode(self) -> str:
-        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens))
 
     def _stop_at(self, text: str) -> int | None:
         found = [i for stop in self.stops if (i := text.find(stop, max(0, self.sent - len(stop) + 1))) >= 0]

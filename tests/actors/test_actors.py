@@ -185,6 +185,20 @@ def test_a_request_the_verifier_refuses_is_its_own_one_line_value_error(engine) 
     assert len(engine.generate(PROMPT, 4, policy="demand-lru", window=0)["tokens"]) == 4
 
 
+def test_a_stream_hands_out_each_rounds_tokens_and_ends_as_generate_does(engine, models) -> None:
+    """``EngineHandle.stream`` (``specter generate --address`` prints through it): the verifier's
+    tokens in several pieces as the rounds commit, together transformers' greedy; the same result and
+    figures as ``generate``, the K chooser's state too; a refusal is the same one-line ``ValueError``."""
+    folder, _ = models
+    pieces: list[list[int]] = []
+    out = engine.stream(PROMPT, NEW, pieces.append, policy="specter", window=4, chooser={})
+    assert len(pieces) > 1 and all(pieces) and sum(pieces, []) == out["tokens"] == _reference(folder)
+    assert out["stats"]["new_tokens"] == NEW and out["chooser"]["requests"] >= 1  # its K: plain steps or rounds
+    with pytest.raises(ValueError) as caught:
+        engine.stream(PROMPT, 10**6, pieces.append, policy="demand-lru", window=0)
+    assert type(caught.value) is ValueError and "\n" not in str(caught.value) and "ray::" not in str(caught.value)
+
+
 def test_a_sealed_replica_has_no_names_to_leak_and_shutdown_leaves_no_actor(engine) -> None:
     names, ipc_dir, prefix = list(engine.names), engine.ipc_dir, engine.prefix
     assert len(names) == 3 and ipc_dir

@@ -75,6 +75,17 @@ def test_sampled_through_processes_equals_in_process(engine, models) -> None:
     assert got["tokens"] == _in_process(folder, draft, "specter+fixed", 3, sampling)
 
 
+def test_tokens_come_back_over_the_pipe_as_the_rounds_commit(engine, models) -> None:
+    """``ProcessEngine.generate(on_tokens=...)`` (``specter generate --processes`` prints through it):
+    the verifier process sends each round's tokens as it commits them, then its answer; together the
+    same tokens, and the pipe is in step for the next call."""
+    folder, draft = models
+    pieces: list[list[int]] = []
+    got = engine.generate(PROMPT, NEW, on_tokens=pieces.append, policy="specter+fixed", window=3)
+    assert len(pieces) > 1 and sum(pieces, []) == got["tokens"] == _in_process(folder, draft, "specter+fixed", 3)
+    assert engine.generate(PROMPT, NEW, policy="specter+fixed", window=3)["tokens"] == got["tokens"]
+
+
 def test_a_bad_request_is_raised_as_itself_and_the_processes_go_on(engine) -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate(PROMPT, 0)

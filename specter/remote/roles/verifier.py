@@ -211,7 +211,7 @@ class VerifierRole:
                **options: Any) -> Iterator[dict[str, Any]]:
         """``generate`` as a stream: ``{"tokens": [...]}`` for each step's or round's commits as they
         commit, then ``{"tokens": [], "stats": {...}}`` (``stats["cancelled"]`` when ``cancel`` ended
-        it early). Batched (``batches``), the request joins the batcher's steps; otherwise it runs in a
+        it early; ``chooser`` too, as ``generate``'s, where an unbatched request gave one). Batched (``batches``), the request joins the batcher's steps; otherwise it runs in a
         thread of this process. A generator closed early (its consumer gone) ends the request at its
         next step or round; unbatched, it waits for that, so the next request starts on a quiet engine."""
         chunks: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -260,7 +260,7 @@ class VerifierRole:
                     self.metrics.request(value["stats"])
                 elif kind == "error":
                     raise value
-                yield {"tokens": [], "stats": value["stats"]}
+                yield {"tokens": [], "stats": value["stats"]} | ({"chooser": value["chooser"]} if "chooser" in value else {})
                 return
         finally:
             stop.set()

@@ -8,12 +8,14 @@ commands that use them (each 0.5-7 s to import here): `specter --help` costs tor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
 from specter.plan import drafts, make_policy, policy_class
+from specter.remote.roles.base import LOG_LEVEL_ENV
 from specter.signals import exit_status, stopped_word
 from specter.timing.costs import Timing, resolve_timing
 
@@ -128,9 +131,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     run = _through_processes if args.processes else _through_actors if args.address is not None else _in_process
     kept = _KeptChooser(args, window, sampling) if window else None
     printed = None if args.json else _Printed.of(args)
+    # the roles log their setup at INFO only with -v, as this process does: Ray relays an actor's lines
+    # late, and they landed inside the text as it streamed
+    quiet = contextlib.nullcontext() if args.verbose else _environ(LOG_LEVEL_ENV, "WARNING")
     try:
-        tokens, text, stats, state = run(args, parser, timing, budget, window, sampling, kept.state if kept else None,
-                                         printed)
+        with quiet:
+            tokens, text, stats, state = run(args, parser, timing, budget, window, sampling,
+                                             kept.state if kept else None, printed)
     finally:
         if printed is not None:
             printed.end()
@@ -292,6 +299,19 @@ def _check_port(host: str, port: int) -> None:
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise ValueError(f"--host: {host} is not an address of this machine") from None
             raise ValueError(f"--port: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``$name`` is ``value`` inside where it is unset (processes started meanwhile keep it), as before after."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 class _Printed:

@@ -12,6 +12,7 @@ replica as plain classes: the Ray actors (``actors/``) are thin shells around th
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Protocol
 
@@ -61,11 +62,17 @@ class NoMetrics:
         pass
 
 
+LOG_LEVEL_ENV = "SPECTER_LOG_LEVEL"  # the roles' logging level (a name: INFO, WARNING, …); INFO where unset
+
+
 def setup_process(threads: int = 1) -> None:
-    """One compute thread per role (as the in-process tests run), INFO logging, and no traceback for an
-    exit that lands in a finalizer (``quiet_exit_in_finalizers``)."""
+    """One compute thread per role (as the in-process tests run), logging at ``$SPECTER_LOG_LEVEL``
+    (INFO where unset; ``specter generate`` sets WARNING unless ``-v``: its text goes to the same
+    terminal), and no traceback for an exit that lands in a finalizer (``quiet_exit_in_finalizers``)."""
     torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = logging.getLevelName(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
+    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.unraisablehook = quiet_exit_in_finalizers
 
 

@@ -2,8 +2,9 @@
 
 ``launch`` returns an ``EngineHandle``: ``generate`` (one Ray call per request; ``stream``, the same
 handing out the tokens as they commit) and ``shutdown`` (actors closed and killed, sockets closed,
-ipc directory removed, shared memory unlinked, placement group removed). Once wired, a replica is *sealed* (``TransferActor.seal``): its shared
-memory and ipc directory have no names left, so a crash anywhere leaves nothing behind.
+ipc directory removed, shared memory unlinked, placement group removed). Once wired, a replica is
+*sealed* (``TransferActor.seal``): its shared memory and ipc directory have no names left, so a crash
+anywhere leaves nothing behind.
 """
 
 from __future__ import annotations

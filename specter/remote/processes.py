@@ -106,7 +106,8 @@ class RoleProcess:
         """``role.method(*args, **kwargs)`` in the process; its exception is raised here (as a watched
         role's ``RoleGone`` where one of them has ended: the exception followed from that).
         ``on_tokens``: given, the method gets an ``on_tokens`` of its own that sends each list of
-        tokens it is handed over the pipe, and this one is called with them here as they come.
+        tokens it is handed over the pipe, and this one is called with them here as they come
+        (``timeout`` then bounds each wait for the next message).
 
         Raises:
             RoleError: an earlier call's answer is still due (it timed out or was interrupted): the

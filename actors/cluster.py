@@ -56,7 +56,7 @@ from ray._private import services
 from ray._raylet import AuthenticationTokenLoader, Config, GcsClient  # type: ignore[attr-defined]
 from ray.exceptions import AuthenticationError
 
-from specter.config import LinkConfig
+from specter.config import LinkConfig, env_defaults
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 LOOPBACK = "127.0.0.1"
@@ -123,7 +123,7 @@ def attach(address: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
     left = max(1, int(deadline - time.monotonic()))
     env = {"RAY_gcs_server_port_wait_time_s": str(left)}
     try:
-        with _loopback_kept(), _environ(env), _sigterm_kept():
+        with _loopback_kept(), env_defaults(env), _sigterm_kept():
             ray.init(address=target)
     except (ConnectionError, RuntimeError, AuthenticationError) as exc:
         refused = "token" in str(exc).lower() or isinstance(exc, AuthenticationError)
@@ -302,15 +302,3 @@ def _sigterm_kept() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, mine)  # at the C level too: the abort handler is gone
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables the caller has not set, for the duration only."""
-    added = {k: v for k, v in values.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)

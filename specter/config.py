@@ -6,9 +6,11 @@ fails before any work starts.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
@@ -40,6 +42,19 @@ def compute_threads(requested: int | None = None) -> int:
     if env.isdigit() and int(env) > 0:
         return int(env)
     return max(1, (os.cpu_count() or 1) - 1)
+
+
+@contextlib.contextmanager
+def env_defaults(values: dict[str, str]) -> Iterator[None]:
+    """Set the environment variables the caller has not set, for the duration only (processes started
+    meanwhile keep them)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 Bad flags exit with status 2 and one line naming the flag; load errors exit with status 1 and
 one line naming the thing at fault; Ctrl-C (SIGINT) exits with status 130 and one line ("specter:
 interrupted"), SIGTERM (``kill``, ``ray job stop``) with 143 ("specter: terminated"), SIGHUP (the
-terminal closed) with 129 ("specter: hung up"), once what the command started (Ray, the actors, the role processes) is stopped (``specter.signals``). None prints a
-traceback. ``batch`` stops between prompts and keeps what finished; a running ``serve`` stops with 0
-(``actors/serve.py``).
+terminal closed) with 129 ("specter: hung up"), once what the command started (Ray, the actors, the
+role processes) is stopped (``specter.signals``). None prints a traceback. ``batch`` stops between
+prompts and keeps what finished; a running ``serve`` stops with 0 (``actors/serve.py``).
 
 ``entry`` is the command itself (the console script and ``python -m specter.cli``): ``main``, then the
 process's exit handlers, then the process ends without the interpreter's teardown of every module

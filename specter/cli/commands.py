@@ -8,14 +8,12 @@ commands that use them (each 0.5-7 s to import here): `specter --help` costs tor
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import torch
 
 from specter.assets import DEFAULT_DRAFT, DEFAULT_MODEL
 from specter.cli.args import DTYPES
-from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads
+from specter.config import LinkConfig, SamplingConfig, SlotConfig, compute_threads, env_defaults
 from specter.draft.loading import check_draft_matches, load_draft
 from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, read_batch
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
@@ -108,6 +106,8 @@ def sampling_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specter.target import load_tokenizer
+
     sampling = sampling_config(args, parser)
     default_draft(args)
     window = _window(args, parser)
@@ -124,16 +124,18 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
                             read_config_dict(resolve_model_dir(args.model)))
-    _check_prompt(args, parser, window)
+    # the tokenizer once, for the early check of a text prompt and for printing the text as it comes
+    tokenizer = load_tokenizer(resolve_model_dir(args.model)) if args.prompt is not None or not args.json else None
+    _check_prompt(args, parser, window, tokenizer)
     budget = None
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     run = _through_processes if args.processes else _through_actors if args.address is not None else _in_process
     kept = _KeptChooser(args, window, sampling) if window else None
-    printed = None if args.json else _Printed.of(args)
+    printed = None if args.json or tokenizer is None else _Printed(args.prompt or "", tokenizer)
     # the roles log their setup at INFO only with -v, as this process does: Ray relays an actor's lines
     # late, and they landed inside the text as it streamed
-    quiet = contextlib.nullcontext() if args.verbose else _environ(LOG_LEVEL_ENV, "WARNING")
+    quiet = env_defaults({} if args.verbose else {LOG_LEVEL_ENV: "WARNING"})
     try:
         with quiet:
             tokens, text, stats, state = run(args, parser, timing, budget, window, sampling,
@@ -301,23 +303,10 @@ def _check_port(host: str, port: int) -> None:
             raise ValueError(f"--port: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """``$name`` is ``value`` inside where it is unset (processes started meanwhile keep it), as before after."""
-    if name in os.environ:
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-
-
 class _Printed:
     """``specter generate``'s text on stdout as the tokens commit (``on_tokens``): the prompt, then
     each piece of text as it becomes final (``TextStream``), then a newline; in all, what printing the
-    whole text at the end printed. Only where the model has a tokenizer (``of``)."""
+    whole text at the end printed. Only where the model has a tokenizer."""
 
     def __init__(self, prompt: str, tokenizer: Any):
         from specter.serving.text import TextStream
@@ -326,13 +315,6 @@ class _Printed:
         self.text = TextStream(tokenizer, skip_special_tokens=False)
         self.started = False  # something was written
         self.ended = False
-
-    @classmethod
-    def of(cls, args: argparse.Namespace) -> _Printed | None:
-        from specter.target import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_model_dir(args.model))
-        return None if tokenizer is None else cls(args.prompt or "", tokenizer)
 
     def __call__(self, tokens: list[int]) -> None:
         self._write(self.text.add(list(tokens)))
@@ -362,15 +344,13 @@ class _Printed:
             os.close(null)
 
 
-def _check_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser, window: int) -> None:
+def _check_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser, window: int, tokenizer: Any) -> None:
     """The request against the model's config before anything loads (a large model loads for minutes,
-    and a replica launches as long): the engine's own check (``check_request``), made early."""
+    and a replica launches as long): the engine's own check (``check_request``), made early
+    (``tokenizer``: the model's, for a text prompt)."""
     from specter.request import check_prompt
-    from specter.target import load_tokenizer
 
-    model = resolve_model_dir(args.model)
-    config = read_config_dict(model)
-    tokenizer = load_tokenizer(model) if args.prompt is not None else None
+    config = read_config_dict(resolve_model_dir(args.model))
     vocab = int(config["vocab_size"])
     check_prompt(_prompt_ids(args, parser, tokenizer, vocab), args.max_new_tokens, window, vocab,
                  config.get("max_position_embeddings"))

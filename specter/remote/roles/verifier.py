@@ -213,8 +213,8 @@ class VerifierRole:
         commit, then ``{"tokens": [], "stats": {...}}`` (``stats["cancelled"]`` when ``cancel`` ended
         it early; ``chooser`` too, as ``generate``'s, where an unbatched request gave one). Batched
         (``batches``), the request joins the batcher's steps; otherwise it runs in a thread of this
-        process. A generator closed early (its consumer gone) ends the request at its
-        next step or round; unbatched, it waits for that, so the next request starts on a quiet engine."""
+        process. A generator closed early (its consumer gone) ends the request at its next step or
+        round; unbatched, it waits for that, so the next request starts on a quiet engine."""
         chunks: queue.Queue[tuple[str, Any]] = queue.Queue()
         stop = threading.Event()
 

@@ -1,5 +1,13 @@
 """A growing list of tokens as text that is final: held back where a byte sequence is unfinished or a stop
-string may be starting, cut at the first stop string."""
+string may be starting, cut at the first stop string.
+
+Each ``add`` decodes only the tokens since the text was last whole, from one chunk back (a tokenizer
+may write a token differently at the start of a text: SentencePiece drops a leading word's space), so a
+token costs the same at the 4000th as at the 10th; decoding the whole list each time cost a time that
+grew with the text's length. This holds for a tokenizer whose text of some tokens begins with the text of
+the first of them, but for a character they leave unfinished: byte-level BPE (GPT-2, Qwen, Llama 3) and
+SentencePiece (Llama 2, Mixtral) are such. One that rewrites text across tokens (WordPiece's clean-up of
+" ." into ".") cannot be streamed exactly at all: it changes text already handed out."""
 
 from __future__ import annotations
 
@@ -23,6 +31,8 @@ class TextStream:
         self.tokens: list[int] = []
         self.sent = 0  # characters handed out
         self.stopped = False  # a stop string was found: nothing more comes
+        self._whole = ""  # the text of tokens[:_read]: whole characters only
+        self._back, self._read = 0, 0  # decoding starts at tokens[_back]: the chunk before _read
 
     def add(self, tokens: list[int]) -> str:
         """The text these tokens make final (may be empty)."""
@@ -49,7 +59,16 @@ class TextStream:
         return self._take(self._decode(), None)
 
     def _decode(self) -> str:
-        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens))
+        """The text of all the tokens, as decoding them at once writes it."""
+        seen = self._text(self.tokens[self._back:self._read])
+        new = self._text(self.tokens[self._back:])[len(seen):]
+        text = self._whole + new
+        if new and not new.endswith(UNFINISHED):
+            self._whole, self._back, self._read = text, self._read, len(self.tokens)
+        return text
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens))
 
     def _stop_at(self, text: str) -> int | None:
         found = [i for stop in self.stops if (i := text.find(stop, max(0, self.sent - len(stop) + 1))) >= 0]

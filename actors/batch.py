@@ -25,6 +25,7 @@ from actors.launcher import EngineHandle, cluster_link, launch
 from actors.metrics import Recorder
 from specter.config import LinkConfig, SlotConfig
 from specter.eval.jobs import BatchItem, Progress, ResultsFile, append_error, interrupts
+from specter.serving.text import until_stop
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ def _submit(
         eos_token_id=options.eos_token_id,
         pipelined=options.pipelined,
         **({} if options.chooser is None else {"chooser": options.chooser}),
+        **({"stop": list(item.stop)} if item.stop else {}),
     )
     replica.busy = (ref, item, attempt, time.monotonic())
 
@@ -262,12 +264,13 @@ def _collect(
     state = out_.get("chooser")
     if state is not None and (report.chooser is None or state["requests"] >= report.chooser["requests"]):
         report.chooser = state
-    result = {"id": item.id, "text": decode(out_["tokens"]), "tokens": out_["tokens"], "stats": out_["stats"]}
+    tokens, text = until_stop(decode, out_["tokens"], item.stop)
+    result = {"id": item.id, "text": text, "tokens": tokens, "stats": out_["stats"]}
     results.append(result)
     report.finished += 1
-    report.tokens += len(out_["tokens"])
+    report.tokens += len(tokens)
     if progress is not None:
-        progress.update(len(out_["tokens"]))
+        progress.update(len(tokens))
     if on_result is not None:
         on_result(result)
 

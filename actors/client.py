@@ -21,6 +21,7 @@ import torch
 from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, check_local_gpu, init_ray
 from actors.launcher import EngineHandle, cluster_link, launch
 from specter.config import LinkConfig, SlotConfig
+from specter.serving.text import check_stops, until_stop
 from specter.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Client:
         self, prompts: list[str] | list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int = 0, policy: str | None = None, window: int | None = None,
         eos_token_id: int | None = None, pipelined: bool | None = None, chooser: dict[str, Any] | None = None,
-        on_tokens: Callable[[int, list[int]], None] | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None, stop: str | list[str] | None = None,
     ) -> list[dict[str, Any]]:
         """One ``{"text", "tokens", "stats"}`` per prompt (text is empty without a tokenizer).
 
@@ -74,14 +75,22 @@ class Client:
         start from (``WindowChooser.state``'s; ``{}``: none); given, each result also carries the
         chooser's state after its request as ``chooser`` (``VerifierRole.generate``). ``on_tokens``:
         given, called with the prompt's index and each step's or round's tokens as they commit (the
-        prompts run one after another)."""
+        prompts run one after another). ``stop``: a string, or up to four, that ends each request where its
+        text first holds one: the request stops at that round, its ``tokens`` end with the one that
+        completed the stop (as transformers' ``stop_strings``), its ``text`` before the stop (OpenAI's
+        ``stop``); ``on_tokens`` is handed the round's tokens whole."""
         if isinstance(prompts, str | bytes) or not isinstance(prompts, list | tuple):
             raise TypeError(f"prompts: expected a list of strings or of token-id lists, got {type(prompts).__name__}")
+        stops = check_stops(stop)
+        if stops and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so its text cannot be matched; drop the stop strings")
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]  # all checked before any work
         results = []
         extra: dict[str, Any] = {} if pipelined is None else {"pipelined": pipelined}
         if chooser is not None:
             extra["chooser"] = chooser
+        if stops:
+            extra["stop"] = list(stops)
         for index, ids in enumerate(encoded):
             options = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, window=window, policy=policy,
                            eos_token_id=eos_token_id, **extra)
@@ -89,8 +98,10 @@ class Client:
                 out = self.handle.generate(ids, max_new_tokens, **options)
             else:
                 out = self.handle.stream(ids, max_new_tokens, functools.partial(on_tokens, index), **options)
-            text = self.tokenizer.decode(out["tokens"]) if self.tokenizer is not None else ""
-            results.append({"text": text, "tokens": out["tokens"], "stats": out["stats"]}
+            tokens, text = out["tokens"], ""
+            if self.tokenizer is not None:
+                tokens, text = until_stop(self._decode, out["tokens"], stops)
+            results.append({"text": text, "tokens": tokens, "stats": out["stats"]}
                            | ({"chooser": out["chooser"]} if "chooser" in out else {}))
         return results
 
@@ -105,6 +116,10 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _decode(self, tokens: list[int]) -> str:
+        assert self.tokenizer is not None
+        return str(self.tokenizer.decode(tokens))
 
     def _encode(self, prompt: object, index: int) -> list[int]:
         if isinstance(prompt, str):

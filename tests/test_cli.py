@@ -44,6 +44,9 @@ def test_generate_json_matches_transformers(tiny_dir, capsys):
         (["--link", "cuda", "--processes", "--device", "cpu"], "--link"),  # no CUDA device to put it on
         (["--device", "tpu"], "--device"),
         (["--device", "cuda:99"], "--device"),  # no such CUDA device (none at all on a CPU machine)
+        (["--stop", ""], "--stop"),
+        (["--stop", "a"] * 5, "--stop"),  # up to four
+        (["--stop", "x", "--json"], "--stop"),  # this checkpoint has no tokenizer to match text with
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(tiny_dir, capsys, argv, flag):
@@ -213,6 +216,38 @@ def test_help_answers_without_importing_torch():
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+def test_generate_stops_at_a_stop_string_as_transformers_stop_strings_does(monkeypatch, capsys) -> None:
+    """``--stop``: the request ends at the round that wrote the stop (fewer tokens made than asked), the
+    tokens are transformers' ``generate(stop_strings=…)``'s, the text ends before the stop, and the
+    printed text too; ``\\n`` is a newline."""
+    from transformers import AutoTokenizer
+
+    from specter.assets import ASSETS
+
+    model, prompt, new = ASSETS / "moe-fine", "def fibonacci(n):", 48
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ref = AutoModelForCausalLM.from_pretrained(str(model), experts_implementation="eager", dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    argv = ["generate", "--model", str(model), "--prompt", prompt, "--max-new-tokens", str(new)]
+    for stops, policy in ((["th, se"], "demand-lru"), (["get", "\\n    \\n"], "specter")):
+        read = [s.replace("\\n", "\n") for s in stops]
+        want = ref.generate(ids, max_new_tokens=new, do_sample=False, stop_strings=read,
+                            tokenizer=tokenizer)[0, ids.shape[1]:].tolist()
+        assert len(want) < new
+        stop_flags = [flag for stop in stops for flag in ("--stop", stop)]
+        assert main(argv + stop_flags + ["--policy", policy, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        text = tokenizer.decode(want)
+        before = text[:min(text.index(s) for s in read if s in text)]
+        assert out["tokens"] == want and out["text"] == before
+        assert out["stats"]["stop"] and not out["stats"]["cancelled"] and out["stats"]["new_tokens"] < new
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stdout", terminal)
+        assert main(argv + stop_flags + ["--policy", policy]) == 0
+        monkeypatch.undo()
+        assert "".join(terminal.pieces) == prompt + before + "\n"
 
 
 class _Terminal:

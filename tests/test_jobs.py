@@ -33,6 +33,14 @@ def test_a_good_line_takes_defaults_and_overrides() -> None:
         "3", "def f():", 7, 5, 0.0, 9)
 
 
+def test_a_lines_stop_strings_replace_the_jobs_default() -> None:
+    line = '{"id": 1, "prompt": "x"%s}'
+    assert parse_line(line % "", 1, "in.jsonl", 32, 0.0, 0, ("\n\n",)).stop == ("\n\n",)
+    assert parse_line(line % ', "stop": "def"', 1, "in.jsonl", 32, 0.0, 0, ("\n\n",)).stop == ("def",)
+    assert parse_line(line % ', "stop": ["a", "b"]', 1, "in.jsonl", 32, 0.0, 0).stop == ("a", "b")
+    assert _parse(line % "").stop == ()
+
+
 @pytest.mark.parametrize(
     ("text", "field"),
     [
@@ -51,6 +59,9 @@ def test_a_good_line_takes_defaults_and_overrides() -> None:
         ('{"id": "a", "prompt": "x", "temperature": NaN}', "'temperature'"),
         ('{"id": "a", "prompt": "x", "seed": -3}', "'seed'"),
         ('{"id": "a", "prompt": "x", "top_p": 0.5}', "unknown field"),
+        ('{"id": "a", "prompt": "x", "stop": ""}', "'stop': expected a non-empty string or a list of up to 4"),
+        ('{"id": "a", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "'stop'"),
+        ('{"id": "a", "prompt": "x", "stop": 3}', "'stop'"),
     ],
 )
 def test_a_bad_line_names_file_line_and_field(text: str, field: str) -> None:

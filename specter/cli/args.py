@@ -93,6 +93,28 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+
+
+def _stop(text: str) -> str:
+    """A stop string, with ``\\n``, ``\\t``, ``\\r``, ``\\\\`` and quotes read as escapes (a shell passes
+    ``"\\n"`` as two characters)."""
+    out, chars = [], iter(text)
+    for char in chars:
+        if char == "\\":
+            following = next(chars, "")
+            out.append(_ESCAPES.get(following, "\\" + following))
+        else:
+            out.append(char)
+    if not out:
+        raise argparse.ArgumentTypeError("expected a non-empty string")
+    return "".join(out)
+
+
+STOP_HELP = ("end the text where TEXT first appears (not printed; up to 4, repeat the flag): generation stops "
+             "at the step or round that wrote it; \\n, \\t, \\r and \\\\ are read as escapes")
+
+
 def _positive_number(text: str, what: str) -> float:
     """``text`` as a positive, finite float; the error names ``what`` was expected."""
     try:
@@ -147,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", type=_stop, action="append", default=None, metavar="TEXT", help=STOP_HELP)
     gen.add_argument("--device", type=_device, default=None, help="cpu | cuda[:N] (default: cuda when available)")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: fp32 on a CPU, the checkpoint's on a GPU)")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -245,6 +268,8 @@ def _add_batch(commands: argparse._SubParsersAction) -> None:
     batch.add_argument("--top-p", type=float, default=1.0)
     batch.add_argument("--top-k", type=int, default=0)
     batch.add_argument("--seed", type=int, default=0, help="default for lines without one")
+    batch.add_argument("--stop", type=_stop, action="append", default=None, metavar="TEXT",
+                       help=STOP_HELP.replace("(not printed;", "(default for lines without \"stop\";"))
     batch.add_argument("--address", default="local",
                        help="'local' (start a local Ray, the default), 'auto' (the running cluster, e.g. inside "
                             "`ray job submit`) or HOST:PORT")

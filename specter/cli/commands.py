@@ -28,6 +28,7 @@ from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, 
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
 from specter.plan import drafts, make_policy, policy_class
 from specter.remote.roles.base import LOG_LEVEL_ENV
+from specter.serving.text import Stops, check_stops, until_stop
 from specter.signals import exit_status, stopped_word
 from specter.timing.costs import Timing, resolve_timing
 
@@ -124,22 +125,29 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)),
                             read_config_dict(resolve_model_dir(args.model)))
+    try:
+        stops = check_stops(args.stop)
+    except ValueError as exc:
+        parser.error(f"argument --{exc}")
     # the tokenizer once, for the early check of a text prompt and for printing the text as it comes
-    tokenizer = load_tokenizer(resolve_model_dir(args.model)) if args.prompt is not None or not args.json else None
+    needed = args.prompt is not None or not args.json or stops
+    tokenizer = load_tokenizer(resolve_model_dir(args.model)) if needed else None
+    if stops and tokenizer is None:
+        parser.error("argument --stop: this model has no tokenizer, so its text cannot be matched")
     _check_prompt(args, parser, window, tokenizer)
     budget = None
     if args.budget is not None or (args.device_memory is None and not cuda):
         budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
     run = _through_processes if args.processes else _through_actors if args.address is not None else _in_process
     kept = _KeptChooser(args, window, sampling) if window else None
-    printed = None if args.json or tokenizer is None else _Printed(args.prompt or "", tokenizer)
+    printed = None if args.json or tokenizer is None else _Printed(args.prompt or "", tokenizer, stops)
     # the roles log their setup at INFO only with -v, as this process does: Ray relays an actor's lines
     # late, and they landed inside the text as it streamed
     quiet = env_defaults({} if args.verbose else {LOG_LEVEL_ENV: "WARNING"})
     try:
         with quiet:
             tokens, text, stats, state = run(args, parser, timing, budget, window, sampling,
-                                             kept.state if kept else None, printed)
+                                             kept.state if kept else None, printed, stops)
     finally:
         if printed is not None:
             printed.end()
@@ -169,7 +177,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 _SETUP_IGNORED = (  # flags that move no round's cost nor how often the draft is right
     "command", "verbose", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "json",
-    "connect_timeout", "chooser_cache",
+    "connect_timeout", "chooser_cache", "stop",
     "input", "out", "on_bad_line", "request_timeout", "retries", "timeout", "num_cpus",  # batch's
     "host", "port", "served_model_name", "api_key", "max_queue", "max_body", "chat_template",  # serve's
 )
@@ -305,14 +313,14 @@ def _check_port(host: str, port: int) -> None:
 
 class _Printed:
     """``specter generate``'s text on stdout as the tokens commit (``on_tokens``): the prompt, then
-    each piece of text as it becomes final (``TextStream``), then a newline; in all, what printing the
-    whole text at the end printed. Only where the model has a tokenizer."""
+    each piece of text as it becomes final (``TextStream``), up to a stop string, then a newline; in
+    all, what printing the whole text at the end printed. Only where the model has a tokenizer."""
 
-    def __init__(self, prompt: str, tokenizer: Any):
+    def __init__(self, prompt: str, tokenizer: Any, stops: tuple[str, ...] = ()):
         from specter.serving.text import TextStream
 
         self.prompt = prompt
-        self.text = TextStream(tokenizer, skip_special_tokens=False)
+        self.text = TextStream(tokenizer, stops, skip_special_tokens=False)
         self.started = False  # something was written
         self.ended = False
 
@@ -366,7 +374,7 @@ def _eos(model: str) -> int | None:
     return eos[0] if isinstance(eos, list) else eos
 
 
-def _in_process(args, parser, timing, budget, window, sampling, kept, printed):  # type: ignore[no-untyped-def]
+def _in_process(args, parser, timing, budget, window, sampling, kept, printed, stops):  # type: ignore[no-untyped-def]
     """The engine in this process (tests, profiling)."""
     from specter.engine import Engine
     from specter.eval.bench import FIXED_DRAFT_MODE
@@ -389,17 +397,27 @@ def _in_process(args, parser, timing, budget, window, sampling, kept, printed): 
         if chooser is not None and kept:
             chooser = engine.policy.window_chooser_from(kept)
             engine.policy.use_window_chooser(chooser)
+        watch = Stops(tokenizer, stops, printed) if stops else None
         tokens, stats = engine.generate_fresh(prompt_ids, args.max_new_tokens, sampling, eos_token_id=_eos(args.model),
-                                              on_tokens=printed)
+                                              on_tokens=printed if watch is None else watch.on_tokens,
+                                              cancelled=None if watch is None else watch.cancelled)
         if printed is not None:  # the text's end now, not once the target is closed
             printed.end()
     finally:
         target.close()
-    text = str(tokenizer.decode(tokens)) if tokenizer is not None else ""
-    return tokens, text, stats.to_dict(), chooser.state() if chooser is not None else None
+    figures = stats.to_dict() if watch is None else watch.mark(stats.to_dict())
+    tokens, text = _cut(tokenizer, tokens, stops)
+    return tokens, text, figures, chooser.state() if chooser is not None else None
 
 
-def _through_actors(args, parser, timing, budget, window, sampling, kept, printed):  # type: ignore[no-untyped-def]
+def _cut(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> tuple[list[int], str]:
+    """The tokens up to a stop string and their text (before it); no tokenizer: no text."""
+    if tokenizer is None:
+        return tokens, ""
+    return until_stop(lambda ids: str(tokenizer.decode(ids)), tokens, stops)
+
+
+def _through_actors(args, parser, timing, budget, window, sampling, kept, printed, stops):  # type: ignore[no-untyped-def]
     """The three Ray actors (a local Ray, or a running cluster; with neither --link nor a profile, the
     cluster's link: ``cuda`` where it has a GPU)."""
     from actors.client import Client
@@ -414,13 +432,14 @@ def _through_actors(args, parser, timing, budget, window, sampling, kept, printe
         out = client.generate([prompt_ids], args.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, policy=args.policy,
                               window=window, eos_token_id=_eos(args.model), pipelined=args.pipeline,
-                              chooser=kept, on_tokens=None if printed is None else lambda _, tokens: printed(tokens))[0]
+                              chooser=kept, on_tokens=None if printed is None else lambda _, tokens: printed(tokens),
+                              stop=list(stops) or None)[0]
         if printed is not None:  # the text's end now, not once the replica and Ray are stopped
             printed.end()
     return out["tokens"], out["text"], out["stats"], out.get("chooser")
 
 
-def _through_processes(args, parser, timing, budget, window, sampling, kept, printed):  # type: ignore[no-untyped-def]
+def _through_processes(args, parser, timing, budget, window, sampling, kept, printed, stops):  # type: ignore[no-untyped-def]
     """The three roles as plain processes (``specter/remote/processes.py``), no Ray."""
     from specter.remote.processes import launch_processes
     from specter.target import load_tokenizer
@@ -437,13 +456,15 @@ def _through_processes(args, parser, timing, budget, window, sampling, kept, pri
         options = {} if args.pipeline is None else {"pipelined": args.pipeline}
         if kept is not None:
             options["chooser"] = kept
+        if stops:
+            options["stop"] = list(stops)
         out = engine.generate(prompt_ids, args.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=sampling.seed, policy=args.policy, window=window,
                               eos_token_id=_eos(args.model), on_tokens=printed, **options)
         if printed is not None:  # the text's end now, not once the processes are stopped
             printed.end()
-    text = str(tokenizer.decode(out["tokens"])) if tokenizer is not None else ""
-    return out["tokens"], text, out["stats"], out.get("chooser")
+    tokens, text = _cut(tokenizer, out["tokens"], stops)
+    return tokens, text, out["stats"], out.get("chooser")
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -523,7 +544,11 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model_config = read_config_dict(resolve_model_dir(args.model))
     if args.draft is not None:
         check_draft_matches(read_config_dict(resolve_model_dir(args.draft)), model_config)
-    items, bad = read_batch(args.input, args.max_new_tokens, sampling.temperature, sampling.seed)
+    try:
+        stops = check_stops(args.stop)
+    except ValueError as exc:
+        parser.error(f"argument --{exc}")
+    items, bad = read_batch(args.input, args.max_new_tokens, sampling.temperature, sampling.seed, stops)
     if not _report_bad_lines(args, bad):
         return 1
     results = ResultsFile(args.out)

@@ -1,7 +1,8 @@
 """Batch prompt jobs on disk: the input JSONL, the append-only results file, resume, progress.
 
-Input lines are ``{"id", "prompt"}`` objects with optional ``max_new_tokens``, ``temperature`` and
-``seed``. Each result is one line ``{"id", "text", "tokens", "stats"}`` written with a single
+Input lines are ``{"id", "prompt"}`` objects with optional ``max_new_tokens``, ``temperature``,
+``seed`` and ``stop`` (a string or up to four: the text ends before the first, the tokens with the one
+that completed it). Each result is one line ``{"id", "text", "tokens", "stats"}`` written with a single
 ``write`` and fsynced before the next prompt is handed out, so a killed job leaves at most one
 torn last line, which ``ResultsFile`` cuts off on resume. Ids already in the results file are
 skipped; ``ResultsFile.append`` refuses an id twice. Prompts that fail go to ``<out>.errors.jsonl``
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from specter.serving.text import check_stops
 from specter.signals import handling, raise_for, signal_name
 
 MAX_NEW_TOKENS_CAP = 1 << 20  # "absurd" beyond this: refused on the line, not after hours of work
@@ -46,10 +48,12 @@ class BatchItem:
     max_new_tokens: int
     temperature: float
     seed: int
+    stop: tuple[str, ...] = ()
 
 
 def parse_line(
-    text: str, number: int, path: str, max_new_tokens: int, temperature: float, seed: int
+    text: str, number: int, path: str, max_new_tokens: int, temperature: float, seed: int,
+    stop: tuple[str, ...] = (),
 ) -> BatchItem:
     """One input line as a ``BatchItem``; a ``BatchLineError`` names the line and the field."""
     where = f"{path}:{number}"
@@ -73,10 +77,10 @@ def parse_line(
         raise BatchLineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}", number)
     if not prompt.strip():
         raise BatchLineError(f"{where}: 'prompt' must not be empty", number)
-    unknown = sorted(set(row) - {"id", "prompt", "max_new_tokens", "temperature", "seed"})
+    unknown = sorted(set(row) - {"id", "prompt", "max_new_tokens", "temperature", "seed", "stop"})
     if unknown:
         raise BatchLineError(
-            f"{where}: unknown field(s) {unknown}; expected id, prompt, max_new_tokens, temperature, seed",
+            f"{where}: unknown field(s) {unknown}; expected id, prompt, max_new_tokens, temperature, seed, stop",
             number,
         )
     n = row.get("max_new_tokens", max_new_tokens)
@@ -90,13 +94,18 @@ def parse_line(
     s = row.get("seed", seed)
     if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63:
         raise BatchLineError(f"{where}: 'seed' must be an integer in [0, 2**63), got {s!r}", number)
-    return BatchItem(str(ident), prompt, number, n, float(t), s)
+    try:
+        stops = check_stops(row["stop"], "'stop'") if "stop" in row else stop
+    except ValueError as exc:
+        raise BatchLineError(f"{where}: {exc}", number) from None
+    return BatchItem(str(ident), prompt, number, n, float(t), s, stops)
 
 
 def read_batch(
-    path: str | Path, max_new_tokens: int, temperature: float, seed: int
+    path: str | Path, max_new_tokens: int, temperature: float, seed: int, stop: tuple[str, ...] = ()
 ) -> tuple[list[BatchItem], list[BatchLineError]]:
-    """Every good line of ``path`` and every bad one's error (blank lines are skipped).
+    """Every good line of ``path`` and every bad one's error (blank lines are skipped); the job's
+    defaults for a line without its own ``max_new_tokens``, ``temperature``, ``seed`` and ``stop``.
 
     A repeated id is an error of the later line: results are keyed by id.
     """
@@ -113,7 +122,7 @@ def read_batch(
         if not text.strip():
             continue
         try:
-            item = parse_line(text, number, str(path), max_new_tokens, temperature, seed)
+            item = parse_line(text, number, str(path), max_new_tokens, temperature, seed, stop)
         except BatchLineError as exc:
             bad.append(exc)
             continue

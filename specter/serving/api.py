@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_STOPS = 4
+from specter.serving.text import check_stops
+
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in the OpenAI API; chat's is what the context leaves
 # Parameters accepted only with the value that changes nothing (what the OpenAI API means by leaving them out).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -209,13 +210,10 @@ def _chat_prompt(data: dict[str, Any], model: Model) -> list[int]:
 
 
 def _stops(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
-            or not all(isinstance(s, str) and s for s in stops)):
-        raise ApiError(400, f"stop: expected a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
-    return tuple(stops)
+    try:
+        return check_stops(stop)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "stop") from None
 
 
 def _integer(value: Any, name: str, low: int) -> int:

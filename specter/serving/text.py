@@ -11,7 +11,10 @@ SentencePiece (Llama 2, Mixtral) are such. One that rewrites text across tokens 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from specter.request import Cancelled, OnTokens
 
 UNFINISHED = "\ufffd"  # what decoding shows for a byte sequence that the next token may complete
 
@@ -80,3 +83,70 @@ class TextStream:
             return ""
         piece, self.sent = text[self.sent:end], end
         return piece
+
+
+MAX_STOPS = 4  # as OpenAI's ``stop``
+
+
+def check_stops(stops: Any, name: str = "stop") -> tuple[str, ...]:
+    """``stops`` (a string, or a list of up to ``MAX_STOPS`` non-empty ones) as a tuple.
+
+    Raises:
+        ValueError: naming ``name`` and what was expected.
+    """
+    if stops is None:
+        return ()
+    listed = [stops] if isinstance(stops, str) else stops
+    if (not isinstance(listed, list | tuple) or len(listed) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in listed)):
+        raise ValueError(f"{name}: expected a non-empty string or a list of up to {MAX_STOPS} of them, "
+                         f"got {stops!r}")
+    return tuple(listed)
+
+
+def until_stop(decode: Callable[[list[int]], str], tokens: list[int],
+               stops: tuple[str, ...]) -> tuple[list[int], str]:
+    """The tokens up to and with the one whose text completes the first stop string (all of them where
+    none appears: as transformers' ``stop_strings`` ends a generation), and their text up to that stop,
+    the stop not included (OpenAI's ``stop``). ``decode``: the tokens' text, special tokens kept."""
+    text = decode(tokens)
+    if not any(stop in text for stop in stops):
+        return list(tokens), text
+    low, high = 1, len(tokens)  # the fewest tokens whose text holds a stop: it only grows with more
+    while low < high:
+        middle = (low + high) // 2
+        if any(stop in decode(tokens[:middle]) for stop in stops):
+            high = middle
+        else:
+            low = middle + 1
+    text = decode(tokens[:low])
+    return list(tokens[:low]), text[:min(text.index(stop) for stop in stops if stop in text)]
+
+
+class Stops:
+    """A request's stop strings watched as its tokens commit: ``on_tokens`` and ``cancelled`` for
+    ``Engine.generate`` (or a batched request), wrapping the caller's own, so that the request ends at the
+    step or round whose tokens wrote one (``until_stop`` then cuts the tokens and text exactly)."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], on_tokens: OnTokens | None = None,
+                 cancelled: Cancelled | None = None):
+        if tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so its text cannot be matched; drop the stop strings")
+        self.text = TextStream(tokenizer, stops, skip_special_tokens=False)
+        self._on_tokens, self._cancelled = on_tokens, cancelled
+
+    def on_tokens(self, tokens: list[int]) -> None:
+        self.text.add(list(tokens))
+        if self._on_tokens is not None:
+            self._on_tokens(tokens)
+
+    def cancelled(self) -> bool:
+        return self.text.stopped or (self._cancelled is not None and self._cancelled())
+
+    def mark(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """A request's figures with ``stop``: whether a stop string ended it (``cancelled`` then says
+        only whether the caller did)."""
+        stats["stop"] = self.text.stopped
+        if self.text.stopped:
+            stats["cancelled"] = self._cancelled is not None and self._cancelled()
+        return stats

@@ -182,7 +182,40 @@ def test_a_request_the_verifier_refuses_is_its_own_one_line_value_error(engine) 
     text = str(caught.value)
     assert text.startswith("max_new_tokens: prompt") and "exceeds the model's context" in text
     assert "\n" not in text and "ray::" not in text
+    with pytest.raises(ValueError, match="^stop: this model has no tokenizer"):  # the tiny one has none
+        engine.generate(PROMPT, 4, policy="demand-lru", window=0, stop=["x"])
     assert len(engine.generate(PROMPT, 4, policy="demand-lru", window=0)["tokens"]) == 4
+
+
+def test_stop_strings_end_a_request_through_the_actors_batched_or_not(local_ray) -> None:
+    """``stop`` through the actors on the shipped model: a stream that joins the verifier's batched steps
+    (the replica's own drafting policy) and a request with its own window both end at the round that
+    wrote the stop, well before ``max_new_tokens``; cut (``until_stop``, as ``Client.generate`` does),
+    their tokens are transformers' ``generate(stop_strings=…)``'s."""
+    from transformers import AutoTokenizer
+
+    from specter.assets import DEFAULT_DRAFT, DEFAULT_MODEL
+    from specter.serving.text import until_stop
+
+    stops, new = ("th, se",), 48
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+    ids = tokenizer.encode("def fibonacci(n):")
+    ref = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), experts_implementation="eager", dtype=torch.float32)
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, stop_strings=list(stops),
+                        tokenizer=tokenizer)[0, len(ids):].tolist()
+    assert len(want) < new // 2
+    handle = launch(DEFAULT_MODEL, DEFAULT_DRAFT, SlotConfig(fraction=0.5), LINK, policy="specter", timeout_s=60)
+    try:
+        assert ray.get(handle.verifier.concurrency.remote()) > 1  # its streams run batched
+        pieces: list[list[int]] = []
+        streamed = handle.stream(ids, new, pieces.append, stop=list(stops))
+        alone = handle.generate(ids, new, window=3, policy="specter", stop=list(stops))
+    finally:
+        handle.shutdown()
+    for out in (streamed, alone):
+        assert until_stop(tokenizer.decode, out["tokens"], stops)[0] == want
+        assert out["stats"]["stop"] and not out["stats"]["cancelled"] and out["stats"]["new_tokens"] < new
+    assert sum(pieces, []) == streamed["tokens"]
 
 
 def test_a_stream_hands_out_each_rounds_tokens_and_ends_as_generate_does(engine, models) -> None:

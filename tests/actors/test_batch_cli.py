@@ -88,6 +88,32 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> No
     assert json.loads(next(cache.iterdir()).read_text())["chooser"]["requests"] == 6
 
 
+def test_batch_lines_stop_at_their_stop_strings_or_the_jobs(tmp_path) -> None:
+    """A line's ``stop`` (a list here), else the job's ``--stop``: each result's tokens are transformers'
+    ``generate(stop_strings=…)``'s and its text ends before the stop; the requests ended there (fewer
+    tokens made than asked)."""
+    prompts = {"own": ("def fibonacci(n):", ["get", "never"]), "job": ("import os", None)}
+    src = tmp_path / "stops.jsonl"
+    src.write_text("".join(json.dumps({"id": ident, "prompt": prompt, "max_new_tokens": 40}
+                                      | ({"stop": stop} if stop else {})) + "\n"
+                           for ident, (prompt, stop) in prompts.items()))
+    out = tmp_path / "results.jsonl"
+    run = _batch(str(src), "--out", str(out), "--stop", "h.p")
+    assert run.returncode == 0 and "2 finished, 0 failed" in run.stderr, run.stderr[-3000:]
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    ref = AutoModelForCausalLM.from_pretrained(str(MODEL), experts_implementation="eager", dtype=torch.float32)
+    for ident, (prompt, stop) in prompts.items():
+        stops = stop or ["h.p"]
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        want = ref.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=stops,
+                            tokenizer=tokenizer)[0, ids.shape[1]:].tolist()
+        text = tokenizer.decode(want)
+        assert rows[ident]["tokens"] == want and len(want) < 40, ident
+        assert rows[ident]["text"] == text[:min(text.index(s) for s in stops if s in text)]
+        assert rows[ident]["stats"]["stop"] and rows[ident]["stats"]["new_tokens"] < 40
+
+
 BOOT = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])"
 
 

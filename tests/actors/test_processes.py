@@ -230,6 +230,27 @@ def test_specter_generate_processes_on_the_command_line(models) -> None:
     assert "specter.remote.roles" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_specter_generate_processes_stops_at_a_stop_string(models) -> None:
+    """``--processes --stop`` on the shipped model: the verifier process ends the request at the round
+    that wrote the stop, and the tokens are transformers' ``generate(stop_strings=…)``'s."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+    ids = tokenizer.encode("def fibonacci(n):")
+    ref = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), experts_implementation="eager", dtype=torch.float32)
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, stop_strings=["th, se"],
+                        tokenizer=tokenizer)[0, len(ids):].tolist()
+    proc = subprocess.run(
+        [sys.executable, "-m", "specter.cli", "generate", "--prompt", "def fibonacci(n):", "--policy", "specter",
+         "--max-new-tokens", "48", "--stop", "th, se", "--processes", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == want and result["text"] == tokenizer.decode(want).split("th, se")[0]
+    assert result["stats"]["stop"] and result["stats"]["new_tokens"] < 48
+
+
 _NO_CUDA_AT_IMPORT = """
 import importlib, torch
 touched = []

@@ -1,6 +1,7 @@
 """The streamed text against the tokenizer's own decoding of all the tokens at once, for any tokens in any
 chunks: the shipped byte-level tokenizer (tokens that split a character's bytes, the end-of-text token),
-and a SentencePiece-style one (a word's space dropped at the start of a text)."""
+and a SentencePiece-style one (a word's space dropped at the start of a text). Stop strings against
+transformers' own ``stop_strings``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import SentencePieceBPETokenizer
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from specter.assets import DEFAULT_MODEL
-from specter.serving.text import TextStream
+from specter.serving.text import Stops, TextStream, check_stops, until_stop
 from specter.target import load_tokenizer
 
 TEXT = ["héllo wörld, and then some more text", "next line € 😀 of words. Isn't it , so ?", "def f(x):\n    return x"]
@@ -107,3 +109,55 @@ def test_a_stop_string_that_spans_chunks_cuts_the_text_there(shipped):
     for size in (1, 2, 5):
         pieces, stream = _streamed(shipped, ids, [size] * len(ids), stops=("nd li",))
         assert "".join(pieces) == text[:text.index("nd li")] and stream.stopped
+
+
+def test_a_request_cut_at_its_stop_strings_is_what_transformers_stop_strings_generates(shipped):
+    """``until_stop`` over the whole greedy text: the tokens transformers' ``generate(stop_strings=…)``
+    returns (up to and with the token that completes the stop, also one that spans tokens), and their
+    text before the stop; no stop written: everything."""
+    ref = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), experts_implementation="eager", dtype=torch.float32)
+    cases = [("def fibonacci(n):", ("path",)), ("def fibonacci(n):", ("return", "get")),
+             ("import os", ("h.p", "never")), ("def fibonacci(n):", ("th, se",)), ("class A:", ("never written",))]
+    for prompt, stops in cases:
+        ids = torch.tensor([shipped.encode(prompt)])
+        whole = ref.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+        want = ref.generate(ids, max_new_tokens=32, do_sample=False, stop_strings=list(stops),
+                            tokenizer=shipped)[0, ids.shape[1]:].tolist()
+        tokens, text = until_stop(shipped.decode, whole, stops)
+        assert tokens == want, (prompt, stops)
+        full = shipped.decode(want)
+        assert text == full[:min([full.index(stop) for stop in stops if stop in full] or [len(full)])]
+        assert (len(want) < len(whole)) == any(stop in shipped.decode(whole) for stop in stops)
+
+
+def test_stops_end_the_request_after_the_commit_that_wrote_one(shipped):
+    """``Stops`` hands each commit on and says "cancelled" from the commit whose tokens complete a stop
+    string (here one spanning two tokens), not before; its figures say ``stop``."""
+    ids = shipped.encode("x.path.path.path")
+    handed: list[list[int]] = []
+    watch = Stops(shipped, ("h.p",), handed.append, lambda: False)
+    ended_at = None
+    for i, token in enumerate(ids):
+        assert not watch.cancelled()
+        watch.on_tokens([token])
+        if watch.cancelled():
+            ended_at = i
+            break
+    assert ended_at is not None and "h.p" in shipped.decode(ids[:ended_at + 1])
+    assert "h.p" not in shipped.decode(ids[:ended_at]) and handed == [[t] for t in ids[:ended_at + 1]]
+    assert watch.mark({"cancelled": True}) == {"cancelled": False, "stop": True}
+    asked = Stops(shipped, ("never",), None, lambda: True)
+    assert asked.cancelled() and asked.mark({"cancelled": True}) == {"cancelled": True, "stop": False}
+    with pytest.raises(ValueError, match="no tokenizer"):
+        Stops(None, ("x",))
+
+
+@pytest.mark.parametrize(("given", "want"), [(None, ()), ("\n", ("\n",)), (["a", "b c"], ("a", "b c"))])
+def test_stop_strings_are_one_string_or_a_list_of_up_to_four(given, want):
+    assert check_stops(given) == want
+
+
+@pytest.mark.parametrize("given", ["", ["a", ""], ["a"] * 5, 7, [7], {"a": 1}])
+def test_bad_stop_strings_are_named_with_what_was_expected(given):
+    with pytest.raises(ValueError, match="^stop: expected a non-empty string or a list of up to 4"):
+        check_stops(given)

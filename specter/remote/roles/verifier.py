@@ -35,6 +35,7 @@ from specter.config import HostConfig, LinkConfig, SamplingConfig, SlotConfig
 from specter.engine import Engine
 from specter.experts.slots import SlotPool
 from specter.experts.store import ExpertStore
+from specter.models.checkpoint import resolve_model_dir
 from specter.models.graphed import window_counts
 from specter.models.layout import layout_facts
 from specter.models.loader import LoadedModel, build_dense
@@ -52,7 +53,8 @@ from specter.remote.roles.base import Metrics, NoMetrics, compute_dtype, role_de
 from specter.remote.shared_store import SharedArena, store_name
 from specter.remote.shm import SharedSlots, SlotsHandle
 from specter.request import BatchRequest
-from specter.target import OffloadedTarget, slot_groups
+from specter.serving.text import Stops, check_stops
+from specter.target import OffloadedTarget, load_tokenizer, slot_groups
 from specter.timing.profiles import simulated_host
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class VerifierRole:
         self.drafter: RemoteDrafter | None = None  # the batcher's, over the proposer's channel
         self.channels: list[Channel] = []
         self._requests = 0  # requests started since the process started
+        self._tokenizer: Any = False  # the model's (None: it has none), for stop strings; False: not loaded yet
         self._cancelled: dict[str, None] = {}  # streamed requests asked to stop (cancel): an ordered set
         self._lock = threading.Lock()
         self._engine_lock = threading.Lock()  # one thread on the target at a time: a request, or a batched step
@@ -159,7 +162,7 @@ class VerifierRole:
         top_k: int = 0, seed: int = 0, window: int | None = None, policy: str | None = None,
         eos_token_id: int | None = None, untimed_prefill: bool = False, pipelined: bool = PIPELINED,
         schedule: str | None = None, on_tokens: Any = None, cancelled: Any = None,
-        chooser: dict[str, Any] | None = None,
+        chooser: dict[str, Any] | None = None, stop: Any = None,
     ) -> dict[str, Any]:
         """One request from the initial residency (``Engine.generate_fresh``): tokens and stats.
 
@@ -170,10 +173,16 @@ class VerifierRole:
         (``WindowChooser.state``'s; ``{}``: none) where this verifier's chooser for the request's policy
         has served no request yet; given, the result carries the chooser's state after the request as
         ``chooser`` (``specter generate`` keeps it between runs: ``specter/plan/window_store.py``).
-        Its figures go to the replica's metrics; a request that raises counts as an error.
+        ``stop``: strings (up to four) that end the request at the step or round whose tokens write one
+        (``specter/serving/text.py: Stops``; its figures say ``stop``); the tokens come back whole, and
+        the caller cuts them (``until_stop``). Its figures go to the replica's metrics; a request that
+        raises counts as an error.
         """
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        stops = self._stops(stop, on_tokens, cancelled)
+        if stops is not None:
+            on_tokens, cancelled = stops.on_tokens, stops.cancelled
         self.metrics.set("specter_queue_depth", 1)
         self._requests += 1
         try:
@@ -188,8 +197,19 @@ class VerifierRole:
             raise
         finally:
             self.metrics.set("specter_queue_depth", 0)
+        if stops is not None:
+            stops.mark(out["stats"])
         self.metrics.request(out["stats"])
         return out
+
+    def _stops(self, stop: Any, on_tokens: Any, cancelled: Any) -> Stops | None:
+        """A request's stop strings, watched over its commits (None: it has none)."""
+        stops = check_stops(stop)
+        if not stops:
+            return None
+        if self._tokenizer is False:  # the first request with stop strings loads it
+            self._tokenizer = load_tokenizer(resolve_model_dir(self.model_dir))
+        return Stops(self._tokenizer, stops, on_tokens, cancelled)
 
     def prepare_steps(self, window: int) -> int:
         """Make the target's step shapes of windows up to ``window`` ready now (1 to window + 1 tokens, as
@@ -226,12 +246,15 @@ class VerifierRole:
             chunks.put(("tokens", list(tokens)))
 
         worker: threading.Thread | None = None
+        stops: Stops | None = None
         if self.batches(options):
             self._requests += 1
             sampling = SamplingConfig(options.get("temperature", 0.0), options.get("top_p", 1.0),
                                       options.get("top_k", 0), options.get("seed", 0))
+            stops = self._stops(options.get("stop"), on_tokens, cancelled)
+            watched = (on_tokens, cancelled) if stops is None else (stops.on_tokens, stops.cancelled)
             request = BatchRequest(list(prompt_ids), max_new_tokens, sampling, options.get("eos_token_id"),
-                                   on_tokens, cancelled, on_done=lambda r: chunks.put(("ended", r)))
+                                   *watched, on_done=lambda r: chunks.put(("ended", r)))
             try:
                 self._batched().submit(request)
             except Exception:
@@ -258,6 +281,8 @@ class VerifierRole:
                         self.metrics.inc("specter_request_errors")
                         raise value.error
                     value = {"stats": value.stats.to_dict()}
+                    if stops is not None:
+                        stops.mark(value["stats"])
                     self.metrics.request(value["stats"])
                 elif kind == "error":
                     raise value

@@ -20,7 +20,8 @@ from specter.eval.jobs import ResultsFile
 
 MODEL, DRAFT = ASSETS / "moe-fine", ASSETS / "moe-fine-awq"
 NEW = 6
-PROMPTS = {"a": "def parse_args(argv):", "b": "import os\n", "c": "class Config:"}
+PROMPTS = {"a": "def parse_args(argv):", "b": "import os\n", "c": "class Config:", "d": "def fibonacci(n):"}
+JOB_STOP = "the f"  # the job's --stop, for the lines without their own: a's text has it, spanning two tokens
 
 
 def _args(*args: str) -> list[str]:
@@ -48,10 +49,14 @@ def _batch_here(capsys, *args: str) -> tuple[int, str]:  # type: ignore[no-untyp
 
 
 def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> None:
+    """Results equal transformers' greedy ``generate`` — with ``stop_strings`` where a line has its own
+    ``stop`` (d) or takes the job's ``--stop`` (the others), each ending before its stop; a bad line is
+    named and skipped; a re-run resumes; a second batch of the same setup starts from the K chooser."""
     src = tmp_path / "prompts.jsonl"
     lines = [json.dumps({"id": "a", "prompt": PROMPTS["a"]}), '{"id": "bad", "prompt": 7}',
              json.dumps({"id": "b", "prompt": PROMPTS["b"], "max_new_tokens": 3}),
-             json.dumps({"id": "c", "prompt": PROMPTS["c"]})]
+             json.dumps({"id": "c", "prompt": PROMPTS["c"]}),
+             json.dumps({"id": "d", "prompt": PROMPTS["d"], "max_new_tokens": 40, "stop": ["get", "never"]})]
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "results.jsonl"
 
@@ -60,58 +65,36 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> No
     assert not out.exists()  # nothing ran
 
     cache = tmp_path / "choosers"
-    first = _batch(str(src), "--out", str(out), "--chooser-cache", str(cache))
+    first = _batch(str(src), "--out", str(out), "--chooser-cache", str(cache), "--stop", JOB_STOP)
     assert first.returncode == 0, first.stderr[-3000:]
     assert len(list(cache.iterdir())) == 1 and "K chooser kept" not in first.stderr
-    assert f"{src}:2:" in first.stderr and "3 to run" in first.stderr and "3 finished, 0 failed" in first.stderr
+    assert f"{src}:2:" in first.stderr and "4 to run" in first.stderr and "4 finished, 0 failed" in first.stderr
     rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
-    assert sorted(rows) == ["a", "b", "c"]
+    assert sorted(rows) == ["a", "b", "c", "d"]
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
     ref = AutoModelForCausalLM.from_pretrained(str(MODEL), experts_implementation="eager", dtype=torch.float32)
     for ident, row in rows.items():
         ids = tokenizer.encode(PROMPTS[ident])
-        n = 3 if ident == "b" else NEW
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        n, stops = {"b": (3, [JOB_STOP]), "d": (40, ["get", "never"])}.get(ident, (NEW, [JOB_STOP]))
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, stop_strings=stops,
+                            tokenizer=tokenizer)[0, len(ids):].tolist()
         assert row["tokens"] == want, ident
-        assert row["text"] == tokenizer.decode(want)
-        assert row["stats"]["policy"] == "specter" and row["stats"]["new_tokens"] == len(want)
+        text = tokenizer.decode(want)
+        assert row["text"] == text[:min([text.index(s) for s in stops if s in text] or [len(text)])]
+        assert row["stats"]["policy"] == "specter" and row["stats"]["stop"] == (len(want) < n)
+    assert rows["d"]["stats"]["stop"] and rows["d"]["stats"]["new_tokens"] < 40  # it ended at the stop
+    assert rows["a"]["stats"]["stop"]  # at the job's
 
     code, stderr = _batch_here(capsys, str(src), "--out", str(out))
-    assert code == 0 and "3 already in" in stderr and "0 to run" in stderr
-    assert len(out.read_text().splitlines()) == 3
+    assert code == 0 and "4 already in" in stderr and "0 to run" in stderr
+    assert len(out.read_text().splitlines()) == 4
 
     # another batch of the same setup starts from the K chooser the first one left (speed only)
-    again = _batch(str(src), "--out", str(tmp_path / "again.jsonl"), "--chooser-cache", str(cache))
-    assert again.returncode == 0 and "K chooser kept from 3 earlier request(s)" in again.stderr, again.stderr[-3000:]
+    again = _batch(str(src), "--out", str(tmp_path / "again.jsonl"), "--chooser-cache", str(cache), "--stop", JOB_STOP)
+    assert again.returncode == 0 and "K chooser kept from 4 earlier request(s)" in again.stderr, again.stderr[-3000:]
     assert {row["id"]: row["tokens"] for row in map(json.loads, (tmp_path / "again.jsonl").read_text().splitlines())} \
         == {ident: row["tokens"] for ident, row in rows.items()}
-    assert json.loads(next(cache.iterdir()).read_text())["chooser"]["requests"] == 6
-
-
-def test_batch_lines_stop_at_their_stop_strings_or_the_jobs(tmp_path) -> None:
-    """A line's ``stop`` (a list here), else the job's ``--stop``: each result's tokens are transformers'
-    ``generate(stop_strings=…)``'s and its text ends before the stop; the requests ended there (fewer
-    tokens made than asked)."""
-    prompts = {"own": ("def fibonacci(n):", ["get", "never"]), "job": ("import os", None)}
-    src = tmp_path / "stops.jsonl"
-    src.write_text("".join(json.dumps({"id": ident, "prompt": prompt, "max_new_tokens": 40}
-                                      | ({"stop": stop} if stop else {})) + "\n"
-                           for ident, (prompt, stop) in prompts.items()))
-    out = tmp_path / "results.jsonl"
-    run = _batch(str(src), "--out", str(out), "--stop", "h.p")
-    assert run.returncode == 0 and "2 finished, 0 failed" in run.stderr, run.stderr[-3000:]
-    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
-    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
-    ref = AutoModelForCausalLM.from_pretrained(str(MODEL), experts_implementation="eager", dtype=torch.float32)
-    for ident, (prompt, stop) in prompts.items():
-        stops = stop or ["h.p"]
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        want = ref.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=stops,
-                            tokenizer=tokenizer)[0, ids.shape[1]:].tolist()
-        text = tokenizer.decode(want)
-        assert rows[ident]["tokens"] == want and len(want) < 40, ident
-        assert rows[ident]["text"] == text[:min(text.index(s) for s in stops if s in text)]
-        assert rows[ident]["stats"]["stop"] and rows[ident]["stats"]["new_tokens"] < 40
+    assert json.loads(next(cache.iterdir()).read_text())["chooser"]["requests"] == 8
 
 
 BOOT = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])"

@@ -213,26 +213,10 @@ def test_after_a_call_times_out_the_role_takes_no_call_whose_answer_would_be_the
     assert role.process.exitcode == -signal.SIGTERM
 
 
-def test_specter_generate_processes_on_the_command_line(models) -> None:
-    folder, draft = models
-    proc = subprocess.run(
-        [sys.executable, "-m", "specter.cli", "generate", "--model", str(folder), "--draft", str(draft),
-         "--policy", "specter", "--window", "3", "--prompt-ids", ",".join(map(str, PROMPT)),
-         "--max-new-tokens", str(NEW), "--budget", "0.25", "--processes", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["tokens"] == _in_process(folder, draft, "specter", 3)
-    # the seconds before the roles start are not silent; their own setup lines show only with -v
-    # ($SPECTER_LOG_LEVEL), as this process's do: through Ray they landed inside the streamed text
-    assert proc.stderr.startswith("specter: starting the transfer, verifier and draft processes (no Ray")
-    assert "specter.remote.roles" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr[-2000:]
-
-
-def test_specter_generate_processes_stops_at_a_stop_string(models) -> None:
-    """``--processes --stop`` on the shipped model: the verifier process ends the request at the round
-    that wrote the stop, and the tokens are transformers' ``generate(stop_strings=…)``'s."""
+def test_specter_generate_processes_on_the_command_line() -> None:
+    """``specter generate --processes`` on the shipped model with its draft, a drafting policy and a stop
+    string: the verifier process ends the request at the round that wrote the stop, and the tokens are
+    transformers' ``generate(stop_strings=…)``'s; stderr says what starts and nothing more."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
@@ -242,13 +226,17 @@ def test_specter_generate_processes_stops_at_a_stop_string(models) -> None:
                         tokenizer=tokenizer)[0, len(ids):].tolist()
     proc = subprocess.run(
         [sys.executable, "-m", "specter.cli", "generate", "--prompt", "def fibonacci(n):", "--policy", "specter",
-         "--max-new-tokens", "48", "--stop", "th, se", "--processes", "--json"],
+         "--window", "3", "--max-new-tokens", "48", "--stop", "th, se", "--processes", "--json"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == want and result["text"] == tokenizer.decode(want).split("th, se")[0]
     assert result["stats"]["stop"] and result["stats"]["new_tokens"] < 48
+    # the seconds before the roles start are not silent; their own setup lines show only with -v
+    # ($SPECTER_LOG_LEVEL), as this process's do: through Ray they landed inside the streamed text
+    assert proc.stderr.startswith("specter: starting the transfer, verifier and draft processes (no Ray")
+    assert "specter.remote.roles" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr[-2000:]
 
 
 _NO_CUDA_AT_IMPORT = """

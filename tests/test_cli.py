@@ -250,6 +250,36 @@ def test_generate_stops_at_a_stop_string_as_transformers_stop_strings_does(monke
         assert "".join(terminal.pieces) == prompt + before + "\n"
 
 
+def test_a_prompt_file_or_standard_input_is_the_prompt_as_it_is(tmp_path, monkeypatch, capsys) -> None:
+    """``--prompt-file`` (``-``: standard input) runs the file's exact text — its trailing newline
+    included, which a shell's ``$(cat …)`` drops — as ``--prompt`` with that text does; a file that
+    cannot be read, is not UTF-8 or holds only blanks ends with status 2 and one line naming it."""
+    import io
+
+    from specter.assets import ASSETS
+
+    model, text = str(ASSETS / "moe-fine"), "def fibonacci(n):\n"
+    (tmp_path / "p.py").write_text(text)
+    args = ["generate", "--model", model, "--max-new-tokens", "6", "--json"]
+    assert main(args + ["--prompt", text]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--prompt", text.rstrip()]) == 0  # what $(cat p.py) would give
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] != want["tokens"]
+    assert main(args + ["--prompt-file", str(tmp_path / "p.py")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == want["tokens"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert main(args + ["--prompt-file", "-"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == want["tokens"]
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text(" \n")
+    for path, said in ((tmp_path / "nope.txt", "cannot read"), (tmp_path / "latin1.txt", "is not UTF-8 text"),
+                       (tmp_path / "blank.txt", "must not be empty"), (tmp_path, "cannot read")):
+        with pytest.raises(SystemExit) as exc:
+            main(args + ["--prompt-file", str(path)])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--prompt-file" in err and said in err, err
+
+
 class _Terminal:
     """A stdout that keeps each write apart."""
 

@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     source.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    source.add_argument("--prompt-file", metavar="PATH",
+                        help="prompt text from a UTF-8 file, as it is (a trailing newline kept: a shell's "
+                             "$(cat …) drops it); '-' reads standard input")
     gen.add_argument("--json", action="store_true", help="end with one JSON line: tokens, text, stats")
     gen.add_argument("--address", default=None,
                      help="run through the Ray actors: 'local' (start a local Ray), 'auto' (the running "

@@ -112,8 +112,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sampling = sampling_config(args, parser)
     default_draft(args)
     window = _window(args, parser)
+    if args.prompt_file is not None:
+        args.prompt = _read_prompt(args.prompt_file, parser)
     if args.prompt is not None and not args.prompt.strip():
-        parser.error("argument --prompt: must not be empty")
+        parser.error(f"argument --prompt{'-file' if args.prompt_file is not None else ''}: must not be empty")
     if args.processes and args.address is not None:
         parser.error("argument --processes: runs without Ray; give it or --address, not both")
     if (args.address is not None or args.processes) and args.device_memory is not None:
@@ -176,8 +178,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 _SETUP_IGNORED = (  # flags that move no round's cost nor how often the draft is right
-    "command", "verbose", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "json",
-    "connect_timeout", "chooser_cache", "stop",
+    "command", "verbose", "prompt", "prompt_ids", "prompt_file", "max_new_tokens", "temperature", "top_p", "top_k",
+    "seed", "json", "connect_timeout", "chooser_cache", "stop",
     "input", "out", "on_bad_line", "request_timeout", "retries", "timeout", "num_cpus",  # batch's
     "host", "port", "served_model_name", "api_key", "max_queue", "max_body", "chat_template",  # serve's
 )
@@ -276,7 +278,7 @@ class _KeptChoosers:
 def _prompt_ids(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
     if args.prompt is not None:
         if tokenizer is None:
-            raise CheckpointError(f"{args.model} has no tokenizer; pass --prompt-ids instead of --prompt")
+            raise CheckpointError(f"{args.model} has no tokenizer; pass --prompt-ids instead of a text prompt")
         return list(tokenizer.encode(args.prompt))
     if max(args.prompt_ids) >= vocab:
         parser.error(f"argument --prompt-ids: token id {max(args.prompt_ids)} is outside the vocabulary (size {vocab})")
@@ -350,6 +352,19 @@ class _Printed:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, sys.stdout.fileno())
             os.close(null)
+
+
+def _read_prompt(path: str, parser: argparse.ArgumentParser) -> str:
+    """``--prompt-file``'s text, exactly as the file (or standard input, ``-``) holds it."""
+    where = "standard input" if path == "-" else path
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        parser.error(f"argument --prompt-file: {where} is not UTF-8 text ({exc.reason} at byte {exc.start})")
+    except OSError as exc:
+        parser.error(f"argument --prompt-file: cannot read {where}: {exc.strerror}")
 
 
 def _check_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser, window: int, tokenizer: Any) -> None:

@@ -248,6 +248,7 @@ def test_generate_stops_at_a_stop_string_as_transformers_stop_strings_does(monke
         assert main(argv + stop_flags + ["--policy", policy]) == 0
         monkeypatch.undo()
         assert "".join(terminal.pieces) == prompt + before + "\n"
+        assert f"ended at a stop string ({len(want)} tokens up to it)]" in capsys.readouterr().err
 
 
 def test_a_prompt_file_or_standard_input_is_the_prompt_as_it_is(tmp_path, monkeypatch, capsys) -> None:

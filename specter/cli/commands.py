@@ -166,6 +166,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         spec += f", pipelined: {stats['ahead_kept']}/{stats['ahead_asked']} rounds drafted ahead stood"
     if kept is not None and kept.state:
         spec += f", K chooser kept from {kept.state['requests']} earlier run(s)"
+    if stats.get("stop"):
+        spec += f", ended at a stop string ({len(tokens)} tokens up to it)"
     where = f" via actors at {args.address}" if args.address else " via processes" if args.processes else ""
     print(
         f"[{args.policy}{where}: {stats['new_tokens']} tokens, TPOT {stats['tpot_s'] * 1e3:.2f} ms "

@@ -21,7 +21,7 @@ import torch
 from actors.cluster import DEFAULT_CONNECT_TIMEOUT_S, check_local_gpu, init_ray
 from actors.launcher import EngineHandle, cluster_link, launch
 from specter.config import LinkConfig, SlotConfig
-from specter.serving.text import check_stops, until_stop
+from specter.serving.text import NO_TOKENIZER, check_stops, until_stop
 from specter.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Client:
             raise TypeError(f"prompts: expected a list of strings or of token-id lists, got {type(prompts).__name__}")
         stops = check_stops(stop)
         if stops and self.tokenizer is None:
-            raise ValueError("stop: this model has no tokenizer, so its text cannot be matched; drop the stop strings")
+            raise ValueError(NO_TOKENIZER)
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]  # all checked before any work
         results = []
         extra: dict[str, Any] = {} if pipelined is None else {"pipelined": pipelined}

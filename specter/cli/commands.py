@@ -28,7 +28,7 @@ from specter.eval.jobs import Progress, ResultsFile, append_error, errors_path, 
 from specter.models.checkpoint import CheckpointError, read_config_dict, resolve_model_dir
 from specter.plan import drafts, make_policy, policy_class
 from specter.remote.roles.base import LOG_LEVEL_ENV
-from specter.serving.text import Stops, check_stops, until_stop
+from specter.serving.text import Stops, TextStream, check_stops, until_stop
 from specter.signals import exit_status, stopped_word
 from specter.timing.costs import Timing, resolve_timing
 
@@ -321,8 +321,6 @@ class _Printed:
     all, what printing the whole text at the end printed. Only where the model has a tokenizer."""
 
     def __init__(self, prompt: str, tokenizer: Any, stops: tuple[str, ...] = ()):
-        from specter.serving.text import TextStream
-
         self.prompt = prompt
         self.text = TextStream(tokenizer, stops, skip_special_tokens=False)
         self.started = False  # something was written

@@ -11,10 +11,12 @@ SentencePiece (Llama 2, Mixtral) are such. One that rewrites text across tokens 
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specter.request import Cancelled, OnTokens
+if TYPE_CHECKING:  # the types alone: this module imports no torch (the API's parsing, batch files)
+    from specter.request import Cancelled, OnTokens
 
 UNFINISHED = "\ufffd"  # what decoding shows for a byte sequence that the next token may complete
 
@@ -86,6 +88,7 @@ class TextStream:
 
 
 MAX_STOPS = 4  # as OpenAI's ``stop``
+NO_TOKENIZER = "stop: this model has no tokenizer, so its text cannot be matched; drop the stop strings"
 
 
 def check_stops(stops: Any, name: str = "stop") -> tuple[str, ...]:
@@ -100,7 +103,7 @@ def check_stops(stops: Any, name: str = "stop") -> tuple[str, ...]:
     if (not isinstance(listed, list | tuple) or len(listed) > MAX_STOPS
             or not all(isinstance(s, str) and s for s in listed)):
         raise ValueError(f"{name}: expected a non-empty string or a list of up to {MAX_STOPS} of them, "
-                         f"got {stops!r}")
+                         f"got {reprlib.repr(stops)}")  # shortened: a client's body may be large
     return tuple(listed)
 
 
@@ -131,7 +134,7 @@ class Stops:
     def __init__(self, tokenizer: Any, stops: tuple[str, ...], on_tokens: OnTokens | None = None,
                  cancelled: Cancelled | None = None):
         if tokenizer is None:
-            raise ValueError("stop: this model has no tokenizer, so its text cannot be matched; drop the stop strings")
+            raise ValueError(NO_TOKENIZER)
         self.text = TextStream(tokenizer, stops, skip_special_tokens=False)
         self._on_tokens, self._cancelled = on_tokens, cancelled
 

@@ -248,10 +248,10 @@ class VerifierRole:
         worker: threading.Thread | None = None
         stops: Stops | None = None
         if self.batches(options):
+            stops = self._stops(options.get("stop"), on_tokens, cancelled)  # refused before it counts
             self._requests += 1
             sampling = SamplingConfig(options.get("temperature", 0.0), options.get("top_p", 1.0),
                                       options.get("top_k", 0), options.get("seed", 0))
-            stops = self._stops(options.get("stop"), on_tokens, cancelled)
             watched = (on_tokens, cancelled) if stops is None else (stops.on_tokens, stops.cancelled)
             request = BatchRequest(list(prompt_ids), max_new_tokens, sampling, options.get("eos_token_id"),
                                    *watched, on_done=lambda r: chunks.put(("ended", r)))

@@ -563,7 +563,10 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         stops = check_stops(args.stop)
     except ValueError as exc:
         parser.error(f"argument --{exc}")
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
     items, bad = read_batch(args.input, args.max_new_tokens, sampling.temperature, sampling.seed, stops)
+    if tokenizer is not None:  # (without one, nothing runs: said below)
+        items, bad = _fit_context(args, items, bad, tokenizer, window, model_config)
     if not _report_bad_lines(args, bad):
         return 1
     results = ResultsFile(args.out)
@@ -585,7 +588,6 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             results.close()
             raise
     budget = SlotConfig(fraction=args.budget.fraction if args.budget else 0.5, per_layer=args.per_layer)
-    tokenizer = load_tokenizer(resolve_model_dir(args.model))
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer; batch prompts are text")
     from actors.batch import BatchOptions, run_batch
@@ -631,6 +633,26 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"specter batch: re-run the same command to go on with the {report.left} left", file=sys.stderr)
         return exit_status(report.interrupted)
     return 1 if report.failed else 0
+
+
+def _fit_context(args: argparse.Namespace, items: list, bad: list, tokenizer: Any, window: int,
+                 config: dict[str, Any]) -> tuple[list, list]:
+    """The lines whose prompt, ``max_new_tokens`` and window fit the model (the verifier's own check,
+    ``check_prompt``), and the bad lines with the others added, in line order: a line that cannot run
+    is told before any replica starts (and stops the job there under ``--on-bad-line stop``)."""
+    from specter.eval.jobs import BatchLineError
+    from specter.request import check_prompt
+
+    fit = []
+    for item in items:
+        try:
+            check_prompt(list(tokenizer.encode(item.prompt)), item.max_new_tokens, window, int(config["vocab_size"]),
+                         config.get("max_position_embeddings"))
+        except ValueError as exc:
+            bad.append(BatchLineError(f"{args.input}:{item.line}: {exc}", item.line))
+            continue
+        fit.append(item)
+    return fit, sorted(bad, key=lambda error: error.line or 0)
 
 
 def _report_bad_lines(args: argparse.Namespace, bad: list) -> bool:

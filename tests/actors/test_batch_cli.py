@@ -97,6 +97,20 @@ def test_batch_cli_generates_skips_bad_lines_and_resumes(tmp_path, capsys) -> No
     assert json.loads(next(cache.iterdir()).read_text())["chooser"]["requests"] == 8
 
 
+def test_a_line_past_the_context_is_a_bad_line_before_any_replica_starts(tmp_path, capsys) -> None:
+    """A line whose prompt + ``max_new_tokens`` + window exceed the model's context is named with its
+    file and line before Ray starts — under ``--on-bad-line stop`` nothing runs (before: the job started,
+    and the verifier refused that prompt once its turn came)."""
+    src = tmp_path / "long.jsonl"
+    src.write_text(json.dumps({"id": "ok", "prompt": PROMPTS["a"]}) + "\n"
+                   + json.dumps({"id": "long", "prompt": PROMPTS["a"], "max_new_tokens": 1020}) + "\n")
+    out = tmp_path / "results.jsonl"
+    code, stderr = _batch_here(capsys, str(src), "--out", str(out), "--on-bad-line", "stop")
+    assert code == 1 and not out.exists(), stderr
+    assert f"{src}:2: max_new_tokens: prompt (" in stderr and "+ max_new_tokens (1020) + window (3)" in stderr
+    assert "exceeds the model's context of 1024 positions" in stderr and "1 bad line(s)" in stderr
+
+
 BOOT = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])"
 
 

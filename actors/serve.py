@@ -127,8 +127,8 @@ class SpecterServer:
         concurrency = ray.get(self.handle.verifier.concurrency.remote())
         settings = Settings(model, options.api_key, options.max_queue, options.max_body, _eos(options.model),
                             concurrency)
-        self.asgi = DisconnectOnCancel(build_app(VerifierBackend(self.handle), settings,
-                                                 Recorder(self.handle.replica, "server")))
+        self.fastapi = build_app(VerifierBackend(self.handle), settings, Recorder(self.handle.replica, "server"))
+        self.asgi = DisconnectOnCancel(self.fastapi)
         log.info("serving %s (%s) with policy %s, %d request(s) decoded at once", options.name, options.model,
                  options.policy, concurrency)
 
@@ -141,6 +141,13 @@ class SpecterServer:
         states = await self.handle.verifier.chooser_states.remote()
         progress = await self.handle.verifier.progress.remote()
         return {"choosers": states, "requests": int(progress["requests"])}
+
+    async def tally(self) -> dict[str, int]:
+        """What the app has answered since it started (``Counts``: completed, cancelled, rejected,
+        errors)."""
+        counts = self.fastapi.state.counts
+        return {"completed": counts.completed, "cancelled": counts.cancelled, "rejected": counts.rejected,
+                "errors": counts.errors}
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)
@@ -170,7 +177,8 @@ def deployment(options: ServeOptions) -> Any:
 
 
 def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], None] | None = None,
-        stop: threading.Event | None = None, keep: Callable[[dict[str, Any]], None] | None = None) -> None:
+        stop: threading.Event | None = None, keep: Callable[[dict[str, Any]], None] | None = None,
+        ) -> dict[str, int] | None:
     """Start Serve's proxy on ``host:port`` and the application (Ray must be initialized), then block
     until ``stop`` is set or SIGINT, SIGTERM or SIGHUP arrives (``specter.signals.handling``: one the
     process ignores stays ignored); delete the application on the way out.
@@ -182,7 +190,10 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
 
     ``keep``: given, it is handed the replica's ``SpecterServer.kept`` every ``KEEP_EVERY_S`` and once
     more before the application is deleted (``specter serve`` writes the K choosers to its store); when
-    stopped before it was up, only if the replica answers within ``KEEP_STARTING_S``."""
+    stopped before it was up, only if the replica answers within ``KEEP_STARTING_S``.
+
+    Returns what the replica answered (``SpecterServer.tally``), asked before the application is deleted;
+    None where it was never up or did not answer within ``KEEP_TIMEOUT_S``."""
     stop = stop or threading.Event()
     up = threading.Event()
 
@@ -207,11 +218,21 @@ def run(options: ServeOptions, host: str, port: int, on_ready: Callable[[str], N
     finally:
         if keep is not None:
             _keep(keep, KEEP_TIMEOUT_S if up.is_set() else KEEP_STARTING_S, quiet=not up.is_set())
+        tally = _tally() if up.is_set() else None
         try:
             serve.delete(APP_NAME)
             serve.shutdown()
         except Exception as exc:  # Ray already gone: nothing left to delete
             log.warning("serve shutdown: %s", exc)
+    return tally
+
+
+def _tally() -> dict[str, int] | None:
+    try:
+        return dict(serve.get_app_handle(APP_NAME).tally.remote().result(timeout_s=KEEP_TIMEOUT_S))
+    except Exception as exc:  # the replica gone: nothing to say
+        log.debug("no tally from the replica: %s", exc)
+        return None
 
 
 def _keep(keep: Callable[[dict[str, Any]], None], timeout_s: float = KEEP_TIMEOUT_S, quiet: bool = False) -> None:

@@ -536,9 +536,13 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               file=sys.stderr, flush=True)
 
     try:
-        run(options, args.host, args.port, ready, keep=kept.save if kept is not None and kept.path else None)
+        tally = run(options, args.host, args.port, ready, keep=kept.save if kept is not None and kept.path else None)
     finally:
         ray.shutdown()
+    if tally is not None:  # after Ray's own lines about its stop
+        print(f"specter: stopped serving {options.name!r}: {tally['completed']} request(s) completed, "
+              f"{tally['cancelled']} cancelled by their client, {tally['rejected']} refused with 429 (queue "
+              f"full), {tally['errors']} failed", file=sys.stderr, flush=True)
     return 0
 
 

@@ -143,6 +143,7 @@ def build_app(backend: Backend, settings: Settings, metrics: Metrics | None = No
     server = _Server(backend, settings, metrics or NoMetrics())
     app = FastAPI(title="Specter", description="OpenAI-compatible completions on an offloaded MoE model",
                   docs_url=None, redoc_url=None)
+    app.state.counts = server.counts  # what it has done: ``GET /health``, and ``specter serve``'s last line
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404/405 in OpenAI's shape

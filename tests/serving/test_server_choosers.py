@@ -32,6 +32,9 @@ def test_a_restarted_server_starts_from_the_choosers_the_last_one_kept(tmp_path)
     cache = tmp_path / "choosers"
     first, log = _serve(cache, tmp_path / "first.log", "ctrl-c")
     assert "K choosers kept" not in log
+    said = (f"specter: stopped serving 'moe-fine': {len(PROMPTS)} request(s) completed, 0 cancelled by their "
+            "client, 0 refused with 429 (queue full), 0 failed")
+    assert log.rstrip().splitlines()[-1] == said, log[-2000:]  # its last line, after Ray's about the stop
     [kept_file] = list(cache.iterdir())
     record = json.loads(kept_file.read_text())
     assert record["requests"] == len(PROMPTS) and record["setup"]["server"] is True
@@ -42,6 +45,7 @@ def test_a_restarted_server_starts_from_the_choosers_the_last_one_kept(tmp_path)
     # processes died with it and the server's stop waited 60 s on them, then ended with status 1)
     second, log = _serve(cache, tmp_path / "second.log", "sigterm-group")
     assert f"K choosers kept from {len(PROMPTS)} earlier request(s)" in log
+    assert said in log, log[-2000:]
     assert second == first  # greedy: the same text whatever K the choosers play
     record = json.loads(kept_file.read_text())
     assert record["requests"] == 2 * len(PROMPTS)
